@@ -1,0 +1,3 @@
+"""Mesh axis names, parallelism sizes, device meshes, MeshContext and strategy configs."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""DDP, Megatron-FSDP and MoE expert parallelism."""
+
+__all__: list[str] = []

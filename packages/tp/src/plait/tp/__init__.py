@@ -1,0 +1,3 @@
+"""Tensor- and sequence-parallel plans, styles and validation."""
+
+__all__: list[str] = []
