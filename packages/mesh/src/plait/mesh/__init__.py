@@ -1,3 +1,44 @@
 """Mesh axis names, parallelism sizes, device meshes, MeshContext and strategy configs."""
 
-__all__: list[str] = []
+from plait.mesh.axes import MeshAxisName, validate_axis_names
+from plait.mesh.build import build_device_mesh, build_moe_mesh, default_device_type, plan_meshes
+from plait.mesh.configs import DDPConfig, FSDP2Config, MegatronFSDPConfig, MoEConfig, default_mp_policy
+from plait.mesh.context import MeshContext
+from plait.mesh.distributed import DistributedInfo, init_distributed
+from plait.mesh.normalize import (
+    ActivationCheckpointing,
+    FrozenMultimodalSharding,
+    normalize_ac_scope,
+    normalize_activation_checkpointing,
+    normalize_frozen_multimodal_sharding,
+    normalize_strategy_name,
+)
+from plait.mesh.sizes import ParallelismSizes
+from plait.mesh.strategy import StrategyConfig, strategy_config_from_dict, strategy_name
+
+__all__ = [
+    "ActivationCheckpointing",
+    "DDPConfig",
+    "DistributedInfo",
+    "FSDP2Config",
+    "FrozenMultimodalSharding",
+    "MegatronFSDPConfig",
+    "MeshAxisName",
+    "MeshContext",
+    "MoEConfig",
+    "ParallelismSizes",
+    "StrategyConfig",
+    "build_device_mesh",
+    "build_moe_mesh",
+    "default_device_type",
+    "default_mp_policy",
+    "init_distributed",
+    "normalize_ac_scope",
+    "normalize_activation_checkpointing",
+    "normalize_frozen_multimodal_sharding",
+    "normalize_strategy_name",
+    "plan_meshes",
+    "strategy_config_from_dict",
+    "strategy_name",
+    "validate_axis_names",
+]
