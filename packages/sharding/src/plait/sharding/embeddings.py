@@ -1,0 +1,129 @@
+"""Embeddings under FSDP: tie detection by parameter identity, the container guard, the untied split."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from plait.sharding._walk import join_fqn, owning_prefix, walk_unit_candidates
+
+
+def tied_parameter_groups(model: nn.Module) -> list[list[str]]:
+    """Return, for every parameter reachable under several names, those parameter FQNs.
+
+    Tying is detected by identity: the same ``nn.Parameter`` object registered on two modules
+    (or one module registered at two paths).
+    """
+    names: dict[int, list[str]] = {}
+    for module_fqn, module in model.named_modules(remove_duplicate=False):
+        for param_name, param in module.named_parameters(recurse=False):
+            names.setdefault(id(param), []).append(join_fqn(module_fqn, param_name))
+    return [fqns for fqns in names.values() if len(fqns) > 1]
+
+
+def check_tied_parameters(model: nn.Module, unit_fqns: list[str]) -> None:
+    """Raise when a tied parameter would be owned by two FSDP units.
+
+    Args:
+        model: The model about to be sharded (left untouched).
+        unit_fqns: FQNs of the modules that will become FSDP units; everything else belongs to the root.
+
+    Raises:
+        ValueError: naming both tied FQNs and the unit that would split them.
+    """
+    for fqns in tied_parameter_groups(model):
+        owners = {fqn: owning_prefix(fqn, unit_fqns) for fqn in fqns}
+        if len(set(owners.values())) < 2:
+            continue
+        first, second = next((a, b) for a in fqns for b in fqns if owners[a] != owners[b])
+        unit_a, unit_b = owners[first] or "<root>", owners[second] or "<root>"
+        raise ValueError(
+            f"Tied parameter '{first}' (FSDP unit '{unit_a}') and '{second}' (FSDP unit '{unit_b}') "
+            "would be owned by two FSDP units: at least one of them lies inside a "
+            "nn.ModuleList/nn.ModuleDict, whose elements each become their own unit. Move the tied "
+            "modules out of the container (e.g. to the model's top level, so the root unit owns the "
+            "parameter), or untie them. Nothing has been wrapped."
+        )
+
+
+def guard_tied_embeddings(model: nn.Module) -> None:
+    """Raise before any wrapping when tied modules would land in different FSDP units.
+
+    Uses the default unit selection (every element of every layer container is a unit).
+
+    Raises:
+        ValueError: naming both tied FQNs; the model is left untouched.
+    """
+    check_tied_parameters(model, [c.fqn for c in walk_unit_candidates(model)])
+
+
+def _embedding(model: nn.Module, getter: str) -> nn.Module | None:
+    get = getattr(model, getter, None)
+    if not callable(get):
+        return None
+    try:
+        module = get()
+    except (NotImplementedError, AttributeError):
+        return None
+    return module if isinstance(module, nn.Module) else None
+
+
+def _inside_fsdp_unit(model: nn.Module, target: nn.Module) -> bool:
+    """Whether ``target`` is, or lies inside, an FSDP unit below ``model``."""
+    units = [fqn for fqn, m in model.named_modules() if fqn and isinstance(m, FSDPModule)]
+    target_fqns = [fqn for fqn, m in model.named_modules(remove_duplicate=False) if m is target]
+    return any(owning_prefix(fqn, units) for fqn in target_fqns)
+
+
+def fully_shard_untied_embeddings(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    mp_policy: MixedPrecisionPolicy | None,
+    offload_policy: OffloadPolicy | None,
+    input_reshard_after_forward: bool,
+    shard_fn: Callable[..., nn.Module] = fully_shard,
+) -> list[nn.Module]:
+    """Give distinct, trainable input and output embedding tables their own FSDP units.
+
+    Otherwise both tables sit in the root unit, whose fp32 reduce-scatter input holds both
+    gradients at once; separate units bound that buffer by the larger table. Tied tables (any
+    shared parameter) are skipped to keep the alias, frozen tables because they have no gradient
+    buffer, and tables that already are (or lie inside) an FSDP unit keep their unit.
+
+    Args:
+        model: Model with ``get_input_embeddings()`` / ``get_output_embeddings()`` (missing = None).
+        mesh: The FSDP mesh.
+        mp_policy: Mixed-precision policy of the surrounding units.
+        offload_policy: Offload policy of the surrounding units.
+        input_reshard_after_forward: Reshard policy of the input table (the output head never reshards:
+            it is needed first in backward).
+        shard_fn: The FSDP primitive, ``fully_shard`` by default.
+
+    Returns:
+        The newly wrapped tables, input first.
+    """
+    inp, out = _embedding(model, "get_input_embeddings"), _embedding(model, "get_output_embeddings")
+    if inp is None or out is None or inp is out:
+        return []
+    if {id(p) for p in inp.parameters()} & {id(p) for p in out.parameters()}:
+        return []
+    wrapped: list[nn.Module] = []
+    for table, reshard in ((inp, input_reshard_after_forward), (out, False)):
+        params = list(table.parameters())
+        if not params or not all(p.requires_grad for p in params) or _inside_fsdp_unit(model, table):
+            continue
+        if isinstance(table, FSDPModule):
+            continue
+        shard_fn(
+            table,
+            mesh=mesh,
+            reshard_after_forward=reshard,
+            mp_policy=mp_policy or MixedPrecisionPolicy(),
+            offload_policy=offload_policy or OffloadPolicy(),
+        )
+        wrapped.append(table)
+    return wrapped
