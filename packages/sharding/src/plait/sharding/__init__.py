@@ -15,7 +15,7 @@ from plait.sharding.multimodal import (
     frozen_multimodal_ignored_params,
 )
 from plait.sharding.prefetch import wire_fsdp_prefetch
-from plait.sharding.selective import selective_context_fn
+from plait.sharding.selective import selective_context_fn, selective_policy
 from plait.sharding.units import apply_fsdp_sharding, fully_shard_root, select_fsdp_units
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "guard_tied_embeddings",
     "select_fsdp_units",
     "selective_context_fn",
+    "selective_policy",
     "tied_parameter_groups",
     "wire_fsdp_prefetch",
 ]

@@ -49,9 +49,22 @@ def _overloads(ops: Iterable[Any]) -> frozenset[Any]:
     return frozenset(out)
 
 
-def _policy(
-    counters: dict[str, int], save: frozenset[Any], alternate_matmuls: bool
-) -> Callable[..., CheckpointPolicy]:
+def selective_policy(
+    save_ops: Iterable[Any] | None = None, *, alternate_matmuls: bool = True
+) -> Callable[..., Any]:
+    """Return a fresh op-level policy for ``create_selective_checkpoint_contexts``.
+
+    With ``alternate_matmuls`` the 1st, 3rd, ... matmul of each checkpointed call is saved and
+    attention kernels and functional collectives are saved too; ``save_ops`` are always saved;
+    everything else is recomputed. The forward and the recompute keep separate matmul counters, so
+    both walk the same sequence and agree on which matmuls were saved (torch versions that consult
+    the policy again during recompute need this; newer ones replay the forward's decisions).
+    """
+    save = _overloads(save_ops or ())
+    if alternate_matmuls:
+        save |= ATTENTION_OPS | COLLECTIVE_OPS
+    counters = {"forward": 0, "recompute": 0}
+
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if alternate_matmuls and op in MATMUL_OPS:
             key = "recompute" if ctx.is_recompute else "forward"
@@ -63,11 +76,11 @@ def _policy(
     return policy
 
 
-def _contexts(save: frozenset[Any], alternate_matmuls: bool) -> tuple[Any, Any]:
-    # Fresh counters for every checkpointed call; the forward and the recompute count separately so
-    # both walk the same sequence of matmuls and agree on which ones were saved.
-    counters = {"forward": 0, "recompute": 0}
-    return create_selective_checkpoint_contexts(_policy(counters, save, alternate_matmuls))
+def _contexts(save_ops: frozenset[Any], alternate_matmuls: bool) -> tuple[Any, Any]:
+    # A fresh policy (fresh counters) for every checkpointed call.
+    return create_selective_checkpoint_contexts(
+        selective_policy(save_ops, alternate_matmuls=alternate_matmuls)
+    )
 
 
 def selective_context_fn(save_ops: Iterable[Any] | None = None) -> Callable[[], tuple[Any, Any]]:
@@ -76,8 +89,7 @@ def selective_context_fn(save_ops: Iterable[Any] | None = None) -> Callable[[], 
     Saves attention kernels, functional collectives, every other matmul and ``save_ops`` (op
     overloads or packets); everything else is recomputed in backward.
     """
-    save = ATTENTION_OPS | COLLECTIVE_OPS | _overloads(save_ops or ())
-    return partial(_contexts, save, True)
+    return partial(_contexts, _overloads(save_ops or ()), True)
 
 
 def save_only_context_fn(save_ops: Iterable[Any]) -> Callable[[], tuple[Any, Any]]:
