@@ -1,0 +1,379 @@
+"""Side-by-side benchmark: the same model, data and mesh parallelized by plait and by hand.
+
+    uv run tools/bench/compare.py --model decoder --mesh dp_shard=2,tp=2 --steps 10 [--bf16]
+
+Launches ``world = product of mesh sizes`` gloo ranks on CPU for each contender in turn (fresh
+processes each, so peak RSS is per contender), on the same seed and the same batches, and prints
+one JSON object per contender, then one with the ratios plait / baseline and the acceptance checks.
+Contenders: ``reference`` (unsharded, one process, global batch), ``baseline`` (hand-written
+torchtitan-style FSDP2 + TP, see baseline.py) and ``plait`` (``plait.sidecar.parallelize_model``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tools.bench.baseline import build_baseline_meshes, parallelize_baseline
+from tools.bench.instrument import (
+    CollectiveCounter,
+    held_bytes,
+    median_step_time,
+    num_fsdp_units,
+    peak_rss_bytes,
+)
+
+CONTENDERS = ("reference", "baseline", "plait")
+MESH_AXES = ("dp_replicate", "dp_shard", "tp")
+WARMUP = 2
+COUNTED_STEP = 1  # collectives are counted on the second warm-up step (steady state, untimed)
+SIZES = {  # vocab, hidden, intermediate, layers, heads, kv heads
+    "tiny": (256, 64, 128, 2, 4, 2),
+    "small": (2048, 256, 688, 4, 8, 4),
+    "ref": (4096, 512, 1376, 8, 8, 4),
+}
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"dp_shard=2,tp=2"`` -> ``{"dp_replicate": 1, "dp_shard": 2, "tp": 2}``."""
+    sizes = dict.fromkeys(MESH_AXES, 1)
+    for part in filter(None, text.split(",")):
+        name, _, value = part.partition("=")
+        if name.strip() not in sizes or not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"--mesh entry {part!r}: use <axis>=<positive int> with axis in {MESH_AXES}")
+        sizes[name.strip()] = int(value)
+    return sizes
+
+
+def build_model(spec: dict[str, Any]) -> nn.Module:
+    """The model named by ``--model`` at ``--size``, seeded: ``decoder`` or a transformers class name."""
+    vocab, hidden, inter, layers, heads, kv = SIZES[spec["size"]]
+    torch.manual_seed(spec["seed"])
+    if spec["model"] == "decoder":
+        from plait.testing.models import DecoderConfig, DenseDecoder
+
+        cfg = DecoderConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            tie_word_embeddings=False,
+        )
+        return DenseDecoder(cfg)
+    import transformers
+
+    cls = getattr(transformers, spec["model"], None)
+    if cls is None or not hasattr(cls, "config_class"):
+        raise ValueError(f"--model {spec['model']!r} is neither 'decoder' nor a transformers model class")
+    cfg = cls.config_class(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=max(spec["seq"], 128),
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+    return cls(cfg)
+
+
+def batch(spec: dict[str, Any], step: int, dp_rank: int, dp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This data-parallel rank's rows of the global batch of ``step`` (inputs, next-token labels)."""
+    vocab = SIZES[spec["size"]][0]
+    gen = torch.Generator().manual_seed(spec["seed"] * 100_003 + step)
+    tokens = torch.randint(vocab, (spec["batch"], spec["seq"] + 1), generator=gen)
+    rows = tokens.chunk(dp_size)[dp_rank]
+    return rows[:, :-1], rows[:, 1:]
+
+
+def _train_step(
+    model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    opt.zero_grad(set_to_none=True)
+    out = model(ids)
+    logits = getattr(out, "logits", out)
+    with loss_parallel() if isinstance(logits, DTensor) else nullcontext():
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        loss.backward()
+    opt.step()
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss.detach()
+
+
+def _meshes(contender: str, spec: dict[str, Any]) -> Any:
+    """Each contender's device meshes (built before the parallelize timer starts)."""
+    mesh = spec["mesh"]
+    if contender == "baseline":
+        return build_baseline_meshes(mesh["dp_replicate"], mesh["dp_shard"], mesh["tp"])
+    from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
+
+    cfg = FSDP2Config(mp_policy=_mp_policy(spec["bf16"]), sequence_parallel=spec["sp"])
+    ctx = MeshContext.build(cfg, ParallelismSizes(dp_replicate_size=mesh["dp_replicate"], tp_size=mesh["tp"]))
+    assert ctx.dp_shard_size == mesh["dp_shard"], (ctx.dp_shard_size, mesh)
+    return ctx
+
+
+def _parallelize(contender: str, model: nn.Module, meshes: Any, spec: dict[str, Any]) -> nn.Module:
+    if contender == "baseline":
+        return parallelize_baseline(
+            model, meshes, mp_policy=_mp_policy(spec["bf16"]), sequence_parallel=spec["sp"]
+        )
+    from plait.sidecar import parallelize_model
+
+    return parallelize_model(model, meshes)
+
+
+def _mp_policy(bf16: bool) -> MixedPrecisionPolicy:
+    if bf16:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+
+
+def run_contender(contender: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """Build, parallelize and train one contender on this rank; return this rank's measurements."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tp = spec["mesh"]["tp"] if contender != "reference" else 1
+    dp_size, dp_rank = world // tp, rank // tp
+    base_rss = peak_rss_bytes()
+    model = build_model(spec)
+    total_param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    start = time.perf_counter()
+    meshes = _meshes(contender, spec) if contender != "reference" else None
+    mesh_s, start = time.perf_counter() - start, time.perf_counter()
+    if contender != "reference":
+        model = _parallelize(contender, model, meshes, spec)
+    parallelize_s = time.perf_counter() - start
+    opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
+    losses, times, comm = [], [], None
+    for step in range(spec["steps"]):
+        ids, labels = batch(spec, step, dp_rank, dp_size)
+        if world > 1:
+            dist.barrier()
+        start = time.perf_counter()
+        counter = CollectiveCounter() if step == COUNTED_STEP else nullcontext()
+        with counter:
+            loss = _train_step(model, opt, ids, labels)
+        times.append(time.perf_counter() - start)
+        if isinstance(counter, CollectiveCounter):
+            comm = counter.stats.as_dict() | {"uncounted_ops": dict(counter.unknown)}
+        if world > 1:  # every rank's loss is its dp group's mean over equal token counts
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+            loss = loss / world
+        losses.append(loss.item())
+    return {
+        "losses": losses,
+        "times": times,
+        "comm": comm,
+        "held": held_bytes(model, opt),
+        "total_param_bytes": total_param_bytes,
+        "peak_rss": peak_rss_bytes(),
+        "base_rss": base_rss,
+        "parallelize_s": parallelize_s,
+        "mesh_s": mesh_s,
+        "fsdp_units": num_fsdp_units(model),
+    }
+
+
+def _rank_main(rank: int, world: int, port: int, contender: str, spec: dict[str, Any], out: str) -> None:
+    torch.set_num_threads(1)
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = run_contender(contender, spec)
+        results = [result]
+        if world > 1:
+            results = [None] * world
+            dist.all_gather_object(results, result)
+        if rank == 0:
+            Path(out).write_text(json.dumps(results))
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(contender: str, spec: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    """Run ``contender`` on fresh spawned ranks; return each rank's measurements."""
+    world = 1 if contender == "reference" else math.prod(spec["mesh"].values())
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        ctx = mp.start_processes(
+            _rank_main,
+            args=(world, _free_port(), contender, spec, out),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                for proc in ctx.processes:
+                    proc.kill()
+                raise TimeoutError(f"{contender} did not finish within {timeout:.0f}s")
+        return json.loads(Path(out).read_text())
+
+
+def summarize(contender: str, ranks: list[dict[str, Any]], spec: dict[str, Any]) -> dict[str, Any]:
+    """One contender's JSON object: per-step losses, timing, memory, communication."""
+    step_s = median_step_time([r["times"] for r in ranks], WARMUP)
+    tokens = spec["batch"] * spec["seq"]
+    mesh = spec["mesh"]
+    degree = 1 if contender == "reference" else mesh["dp_shard"] * mesh["tp"]
+    ideal_params = ranks[0]["total_param_bytes"] / degree
+    ideal = {"params": ideal_params, "grads": ideal_params, "optim": 2 * ideal_params}
+    held = {k: max(r["held"][k] for r in ranks) for k in ideal}
+    comm = max((r["comm"] for r in ranks if r["comm"]), key=lambda c: c["bytes_sent_total"], default=None)
+    return {
+        "contender": contender,
+        "model": spec["model"],
+        "size": spec["size"],
+        "mesh": "single process" if contender == "reference" else spec["mesh_text"],
+        "ranks": len(ranks),
+        "dtype": "bf16 params / fp32 reduce" if spec["bf16"] and contender != "reference" else "fp32",
+        "losses": ranks[0]["losses"],
+        "step_time_s": step_s,
+        "tokens_per_s": tokens / step_s,
+        "peak_rss_bytes": max(r["peak_rss"] for r in ranks),
+        "peak_rss_above_start_bytes": max(r["peak_rss"] - r["base_rss"] for r in ranks),
+        "held_bytes": held,
+        "held_over_ideal": {k: held[k] / ideal[k] for k in ideal},
+        "comm_per_step": comm,
+        "fsdp_units": ranks[0]["fsdp_units"],
+        "parallelize_s": max(r["parallelize_s"] for r in ranks),
+        "mesh_build_s": max(r["mesh_s"] for r in ranks),
+    }
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def ratios(plait: dict[str, Any], base: dict[str, Any], ref: dict[str, Any] | None) -> dict[str, Any]:
+    """plait / baseline for every measured figure, and the acceptance checks of the benchmark issue."""
+    pc, bc = plait["comm_per_step"] or {}, base["comm_per_step"] or {}
+    out: dict[str, Any] = {
+        "ratios": "plait / baseline",
+        "step_time": _ratio(plait["step_time_s"], base["step_time_s"]),
+        "tokens_per_s": _ratio(plait["tokens_per_s"], base["tokens_per_s"]),
+        "peak_rss": _ratio(plait["peak_rss_bytes"], base["peak_rss_bytes"]),
+        "held_bytes": {k: _ratio(plait["held_bytes"][k], base["held_bytes"][k]) for k in plait["held_bytes"]},
+        "comm_bytes_total": _ratio(pc.get("bytes_sent_total", 0), bc.get("bytes_sent_total", 0)),
+        "comm_bytes": {
+            k: _ratio(v, bc.get("bytes_sent", {}).get(k, 0)) for k, v in pc.get("bytes_sent", {}).items()
+        },
+        "largest_buffer": _ratio(pc.get("largest_buffer", 0), bc.get("largest_buffer", 0)),
+        "fsdp_units": _ratio(plait["fsdp_units"], base["fsdp_units"]),
+        "parallelize_s": _ratio(plait["parallelize_s"], base["parallelize_s"]),
+    }
+    checks = {
+        "held_le_1.02x_ideal": max(plait["held_over_ideal"].values()) <= 1.02,
+        "comm_le_baseline": pc.get("bytes_sent_total", 0) <= bc.get("bytes_sent_total", 0),
+        "step_time_le_1.05x_baseline": plait["step_time_s"] <= 1.05 * base["step_time_s"],
+    }
+    if ref is not None:
+        for name, summary in (("plait", plait), ("baseline", base)):
+            diff = max(abs(a - b) for a, b in zip(summary["losses"], ref["losses"], strict=True))
+            out[f"{name}_max_loss_diff_vs_reference"] = diff
+        checks["plait_losses_match_reference_1e-5"] = out["plait_max_loss_diff_vs_reference"] <= 1e-5
+    return out | {"checks": checks}
+
+
+_COLUMNS = (
+    ("contender", lambda s: s["contender"]),
+    ("step s", lambda s: f"{s['step_time_s']:.3f}"),
+    ("tok/s", lambda s: f"{s['tokens_per_s']:.0f}"),
+    ("peak RSS MiB", lambda s: f"{s['peak_rss_bytes'] / 2**20:.0f}"),
+    ("held MiB p/g/o", lambda s: "/".join(f"{v / 2**20:.1f}" for v in s["held_bytes"].values())),
+    ("held/ideal", lambda s: f"{max(s['held_over_ideal'].values()):.3f}"),
+    ("AG MiB", lambda s: _comm(s, "all_gather")),
+    ("RS MiB", lambda s: _comm(s, "reduce_scatter")),
+    ("AR MiB", lambda s: _comm(s, "all_reduce")),
+    ("A2A MiB", lambda s: _comm(s, "all_to_all")),
+    ("max buf MiB", lambda s: f"{(s['comm_per_step'] or {}).get('largest_buffer', 0) / 2**20:.2f}"),
+    ("units", lambda s: str(s["fsdp_units"])),
+    ("par. s", lambda s: f"{s['parallelize_s']:.3f}"),
+    ("final loss", lambda s: f"{s['losses'][-1]:.6f}"),
+)
+
+
+def _comm(summary: dict[str, Any], kind: str) -> str:
+    return f"{(summary['comm_per_step'] or {}).get('bytes_sent', {}).get(kind, 0) / 2**20:.2f}"
+
+
+def markdown_table(summaries: dict[str, dict[str, Any]]) -> str:
+    """The summaries as one markdown table (the README's format)."""
+    lines = ["| " + " | ".join(name for name, _ in _COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
+    lines += ["| " + " | ".join(cell(s) for _, cell in _COLUMNS) + " |" for s in summaries.values()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model", default="decoder", help="'decoder' (plait.testing) or a transformers class"
+    )
+    parser.add_argument("--size", default="ref", choices=sorted(SIZES))
+    parser.add_argument(
+        "--mesh", default="dp_shard=2,tp=2", help="e.g. dp_shard=4 | dp_replicate=2,dp_shard=2"
+    )
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bf16", action="store_true", help="bf16 params in FSDP (fp32 reduce)")
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per contender")
+    parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
+    args = parser.parse_args(argv)
+    mesh = parse_mesh(args.mesh)
+    contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    if unknown := set(contenders) - set(CONTENDERS):
+        parser.error(f"unknown contenders {sorted(unknown)}; choose from {CONTENDERS}")
+    if args.steps <= WARMUP or args.batch % (mesh["dp_replicate"] * mesh["dp_shard"]):
+        parser.error(f"need --steps > {WARMUP} and --batch divisible by dp_replicate*dp_shard")
+    spec = vars(args) | {"mesh": mesh, "mesh_text": args.mesh, "sp": args.sequence_parallel}
+    summaries = {}
+    for contender in contenders:
+        summaries[contender] = summarize(contender, launch(contender, spec, args.timeout), spec)
+        print(json.dumps(summaries[contender]), flush=True)
+    if "plait" in summaries and "baseline" in summaries:
+        print(json.dumps(ratios(summaries["plait"], summaries["baseline"], summaries.get("reference"))))
+    if args.markdown:
+        print(markdown_table(summaries))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
