@@ -1,3 +1,6 @@
 """DDP, Megatron-FSDP and MoE expert parallelism."""
 
-__all__: list[str] = []
+from plait.strategies.experts import ExpertParallel, num_experts_of
+from plait.strategies.moe import parallelize_moe, validate_moe_tp_plan
+
+__all__ = ["ExpertParallel", "num_experts_of", "parallelize_moe", "validate_moe_tp_plan"]
