@@ -118,7 +118,8 @@ def plan_meshes(
         strategy_config: an :class:`FSDP2Config`, :class:`DDPConfig` or :class:`MegatronFSDPConfig`.
         sizes: parallelism sizes; None = all ranks data-parallel.
         world_size: ranks the mesh spans; default ``len(ranks)``, else the process group's world size.
-        ranks: explicit global ranks of a sub-job (unique; as many as the mesh has).
+        ranks: explicit global ranks in mesh order (unique; as many as the mesh has). Building
+            the meshes additionally needs them to be exactly the default process group's ranks.
 
     Raises:
         TypeError: an unknown strategy config type, or malformed ``ranks``.
@@ -172,6 +173,7 @@ def default_device_type() -> str:
 
 
 def _check_process_group(ranks: tuple[int, ...]) -> None:
+    """The mesh must hold every rank of the default group: torch can slice and flatten a mesh only on its members."""
     if not dist.is_initialized():
         raise ValueError("torch.distributed is not initialised; call plait.mesh.init_distributed() first")
     world = dist.get_world_size()
@@ -181,10 +183,21 @@ def _check_process_group(ranks: tuple[int, ...]) -> None:
             f"mesh ranks {outside[:8]} are outside the process group of world size {world}; "
             f"lower the sizes / world_size or list ranks below {world}"
         )
+    if len(ranks) != world:
+        raise ValueError(
+            f"the mesh spans {len(ranks)} of the {world} ranks of the process group, but every rank of the "
+            f"default process group must be in the mesh (torch slices and flattens a DeviceMesh only on its "
+            f"members); run the sub-job in its own process group of {len(ranks)} ranks, or pass ranks / "
+            f"world_size covering all {world} ranks"
+        )
 
 
 def build_planned_device_mesh(plan: MeshPlan, device_type: str | None = None) -> DeviceMesh | None:
-    """Create the root mesh of ``plan`` and its flattened views (a collective on every rank)."""
+    """Create the root mesh of ``plan`` and its flattened views (a collective on every rank).
+
+    Raises:
+        ValueError: the process group is not initialised, or the plan's ranks are not exactly its ranks.
+    """
     if plan.dims is None or plan.shape is None:
         return None
     _check_process_group(plan.ranks)

@@ -155,7 +155,8 @@ class MeshContext:
             strategy_config: :class:`FSDP2Config`, :class:`DDPConfig` or :class:`MegatronFSDPConfig`.
             sizes: parallelism sizes; None = all ranks data-parallel. ``dp_size`` None/-1 is inferred.
             world_size: ranks the mesh spans; default ``len(ranks)``, else the process group's size.
-            ranks: global ranks of a sub-job, in mesh order (unique; as many as the mesh has).
+            ranks: global ranks in mesh order (unique; as many as the mesh has); they must be exactly
+                the ranks of the default process group (a custom order), as torch needs every rank in it.
             moe_config: MoE options; default ``MoEConfig()`` when ``ep_size > 1``.
             activation_checkpointing: False, True (= "full"), "full" or "selective".
             reapply_trainability: callable re-freezing parameters after wrapping, or None.
