@@ -1,0 +1,385 @@
+"""Run a module-level function on N real gloo ranks, reusing the worker processes across calls.
+
+Each world size gets one pool of workers that stays alive for the whole test session. Workers
+are forked from multiprocessing's forkserver, which imports torch (and the heavy modules the test
+process already imported) once; a fresh pool of 8 ranks then starts in well under a second instead
+of importing torch 8 times. Every worker holds an initialised default process group (gloo, CPU).
+A call that raises, dies or hangs on any rank discards the pool; the next call starts a fresh one,
+so a broken collective never leaks into another test.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankFailure", "run_on_ranks"]
+
+_HOST = "127.0.0.1"
+_MAX_WORLD_SIZE = 8
+_MAX_LIVE_WORKERS = 15
+"""Worker processes kept alive across pools (1 + 2 + 4 + 8); least recently used pools go first."""
+_PG_TIMEOUT = timedelta(seconds=120)
+_STARTUP_TIMEOUT_S = 600.0
+_ERROR_GRACE_S = 5.0
+"""After one rank fails, how long the others get to finish before they count as hung."""
+_STACK_WAIT_S = 2.0
+_IN_WORKER_ENV = "PLAIT_TESTING_WORKER"
+_WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+_PRELOAD = ("numpy", "torch", "torch.distributed", "plait.testing")
+_PRELOAD_IF_IMPORTED = ("transformers", "torch.distributed.fsdp", "torch.distributed.tensor")
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised, died or hung; `reports` maps each such rank to its traceback or stack."""
+
+    def __init__(self, summary: str, reports: dict[int, str]) -> None:
+        self.reports = dict(sorted(reports.items()))
+        body = "\n".join(f"===== rank {rank} =====\n{text.rstrip()}" for rank, text in self.reports.items())
+        super().__init__(f"{summary}\n{body}")
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+    """Run `fn(*args)` on `world_size` gloo ranks and return each rank's result in rank order.
+
+    Args:
+        fn: a module-level (picklable) function; it runs with the default process group
+            initialised, after `torch.manual_seed(0)` and with float32 as the default dtype.
+        world_size: number of ranks, 1 to 8.
+        *args: picklable arguments passed to `fn` on every rank.
+        timeout: seconds the whole call may take before the ranks count as hung.
+
+    Raises:
+        RankFailure: a rank raised, died, returned something unpicklable or the call timed out;
+            the message holds each failing rank's traceback (or Python stack when hung).
+    """
+    if os.environ.get(_IN_WORKER_ENV):
+        raise RuntimeError("run_on_ranks cannot be called from inside a rank; call it from the test itself.")
+    if not isinstance(world_size, int) or not 1 <= world_size <= _MAX_WORLD_SIZE:
+        raise ValueError(f"world_size must be an int in 1..{_MAX_WORLD_SIZE}, got {world_size!r}.")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}.")
+    try:
+        payload = pickle.dumps((fn, args))
+    except Exception as exc:
+        raise TypeError(
+            f"run_on_ranks needs a module-level function and picklable arguments; cannot pickle "
+            f"{getattr(fn, '__qualname__', fn)!r} with its arguments: {exc}"
+        ) from exc
+    label = f"run_on_ranks({getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}, world_size={world_size})"
+    return _get_pool(world_size).run(payload, timeout, label)
+
+
+_POOLS: OrderedDict[int, _Pool] = OrderedDict()
+"""Explicit registry of live worker pools, keyed by world size, least recently used first."""
+
+
+def _get_pool(world_size: int) -> _Pool:
+    pool = _POOLS.pop(world_size, None)
+    if pool is not None and not pool.usable():
+        pool = None
+    if pool is None:
+        while _POOLS and sum(p.world_size for p in _POOLS.values()) + world_size > _MAX_LIVE_WORKERS:
+            _POOLS.popitem(last=False)[1].close()
+        pool = _Pool(world_size)
+    _POOLS[world_size] = pool
+    return pool
+
+
+def _discard(pool: _Pool) -> None:
+    if _POOLS.get(pool.world_size) is pool:
+        del _POOLS[pool.world_size]
+    pool.close(kill=True)
+
+
+@atexit.register
+def _close_all_pools() -> None:
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
+@contextlib.contextmanager
+def _worker_environment() -> Iterator[None]:
+    """The forkserver copies os.environ when it starts; set the worker variables just for that moment."""
+    saved = {key: os.environ.get(key) for key in _WORKER_ENV}
+    os.environ.update(_WORKER_ENV)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+class _Pool:
+    """`world_size` worker processes plus the TCPStore (hosted here) they rendezvous through."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.owner_pid = os.getpid()
+        self.calls = 0
+        self.closed = False
+        self.store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False, timeout=_PG_TIMEOUT)
+        self.tmpdir = tempfile.mkdtemp(prefix=f"plait-ranks{world_size}-")
+        self.stack_files = [os.path.join(self.tmpdir, f"rank{r}.stack") for r in range(world_size)]
+        self.procs: list[mp.process.BaseProcess] = []
+        self.conns: list[Connection] = []
+        try:
+            self._start_workers()
+            _, errors, hung = self._collect(time.monotonic() + _STARTUP_TIMEOUT_S)
+        except BaseException:
+            self.close(kill=True)
+            raise
+        if errors or hung:
+            self._fail(f"starting {world_size} gloo ranks", errors, hung, _STARTUP_TIMEOUT_S)
+
+    def _start_workers(self) -> None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([*_PRELOAD, *(m for m in _PRELOAD_IF_IMPORTED if m in sys.modules)])
+        for rank in range(self.world_size):
+            parent_conn, child_conn = ctx.Pipe()
+            args = (
+                rank,
+                self.world_size,
+                self.store.port,
+                child_conn,
+                self.stack_files[rank],
+                list(sys.path),
+            )
+            proc = ctx.Process(target=_worker_main, args=args, name=f"plait-rank{rank}-of-{self.world_size}")
+            with _worker_environment():
+                proc.start()
+            child_conn.close()
+            self.procs.append(proc)
+            self.conns.append(parent_conn)
+
+    def usable(self) -> bool:
+        if self.owner_pid != os.getpid():
+            return False
+        return not self.closed and all(proc.is_alive() for proc in self.procs)
+
+    def run(self, payload: bytes, timeout: float, label: str) -> list[Any]:
+        self.calls += 1
+        try:
+            for conn in self.conns:
+                conn.send(("run", self.calls, list(sys.path), payload))
+            replies, errors, hung = self._collect(time.monotonic() + timeout)
+        except BaseException:
+            _discard(self)
+            raise
+        results: list[Any] = [None] * self.world_size
+        for rank, data in replies.items():
+            try:
+                results[rank] = pickle.loads(data)
+            except Exception:
+                errors[rank] = (
+                    f"could not unpickle the return value in the test process:\n{traceback.format_exc()}"
+                )
+        if errors or hung:
+            self._fail(label, errors, hung, timeout)
+        return results
+
+    def _collect(self, deadline: float) -> tuple[dict[int, bytes], dict[int, str], list[int]]:
+        """Wait for one reply per rank; after the first failure the others get a short grace period."""
+        pending = {conn: rank for rank, conn in enumerate(self.conns)}
+        replies: dict[int, bytes] = {}
+        errors: dict[int, str] = {}
+        first_error = 0.0
+        while pending:
+            limit = deadline if not errors else min(deadline, first_error + _ERROR_GRACE_S)
+            ready = wait(list(pending), timeout=max(0.0, limit - time.monotonic()))
+            if not ready:
+                break
+            for conn in ready:
+                rank = pending.pop(conn)  # type: ignore[index]
+                try:
+                    status, data = conn.recv()  # type: ignore[union-attr]
+                except (EOFError, OSError):
+                    self.procs[rank].join(timeout=1.0)
+                    status, data = "err", f"worker process died (exit code {self.procs[rank].exitcode})"
+                if status == "ok":
+                    replies[rank] = data
+                    continue
+                if not errors:
+                    first_error = time.monotonic()
+                errors[rank] = data
+        return replies, errors, sorted(pending.values())
+
+    def _fail(self, label: str, errors: dict[int, str], hung: list[int], timeout: float) -> None:
+        reports = dict(errors)
+        for rank, stack in self._dump_stacks(hung).items():
+            why = (
+                "kept waiting after another rank failed" if errors else f"did not finish within {timeout:g} s"
+            )
+            reports[rank] = f"hung: {why}; Python stacks at that moment:\n{stack}"
+        _discard(self)
+        parts = [f"rank {r}: {text.strip().splitlines()[-1]}" for r, text in sorted(errors.items())]
+        if hung:
+            parts.append(f"ranks {hung} hung")
+        raise RankFailure(f"{label} failed ({'; '.join(parts)}); the worker pool was discarded.", reports)
+
+    def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        sizes = {r: _file_size(self.stack_files[r]) for r in ranks}
+        for rank in ranks:
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.kill(self.procs[rank].pid, signal.SIGUSR1)  # type: ignore[arg-type]
+        deadline = time.monotonic() + _STACK_WAIT_S
+        while time.monotonic() < deadline and any(_file_size(self.stack_files[r]) == sizes[r] for r in ranks):
+            time.sleep(0.05)
+        time.sleep(0.1)
+        stacks = {}
+        for rank in ranks:
+            with open(self.stack_files[rank], "rb") as f:
+                f.seek(sizes[rank])
+                text = f.read().decode(errors="replace")
+            stacks[rank] = text or "(no stack dumped: the process did not answer SIGUSR1)"
+        return stacks
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the workers (politely unless `kill`) and remove the pool's files."""
+        if self.closed or self.owner_pid != os.getpid():
+            return
+        self.closed = True
+        if not kill:
+            for conn in self.conns:
+                with contextlib.suppress(OSError):
+                    conn.send(("stop",))
+            deadline = time.monotonic() + 2.0
+            for proc in self.procs:
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5.0)
+        for conn in self.conns:
+            conn.close()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        del self.store
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _merge_sys_path(paths: list[str]) -> None:
+    for path in reversed(paths):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+
+
+def _worker_main(
+    rank: int, world_size: int, port: int, conn: Connection, stack_file: str, paths: list[str]
+) -> None:
+    """Entry point of one worker: join the process group, then serve calls until told to stop."""
+    os.environ[_IN_WORKER_ENV] = "1"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the test process's business
+    stack_out = open(stack_file, "w")  # noqa: SIM115 - must stay open for the process lifetime
+    faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=True)
+    _merge_sys_path(paths)
+    torch.set_num_threads(1)
+    try:
+        worker = _Worker(rank, world_size, port)
+    except BaseException:
+        conn.send(("err", traceback.format_exc()))
+        os._exit(1)
+    conn.send(("ok", b""))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            break
+        if message[0] == "stop":
+            break
+        _, call_id, paths, payload = message
+        conn.send(worker.call(call_id, paths, payload))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown: the gloo group needs no goodbye
+
+
+class _Worker:
+    """One rank's state: the store client and the default group this worker created."""
+
+    def __init__(self, rank: int, world_size: int, port: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.store = dist.TCPStore(_HOST, port, is_master=False, timeout=_PG_TIMEOUT)
+        self.group: dist.ProcessGroup | None = None
+        self._init_group("init")
+
+    def _init_group(self, tag: str) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(f"plait/pg/{tag}", self.store),
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=_PG_TIMEOUT,
+        )
+        self.group = dist.group.WORLD
+
+    def _start_together(self, call_id: int) -> None:
+        """Store-based barrier; if any rank lost the default group (fn destroyed it), all re-create it."""
+        lost = not (dist.is_initialized() and dist.group.WORLD is self.group)
+        self.store.set(f"plait/call/{call_id}/{self.rank}", "1" if lost else "0")
+        keys = [f"plait/call/{call_id}/{r}" for r in range(self.world_size)]
+        self.store.wait(keys)
+        if any(self.store.get(key) == b"1" for key in keys):
+            self._init_group(f"call{call_id}")
+        else:
+            _destroy_subgroups()
+
+    def call(self, call_id: int, paths: list[str], payload: bytes) -> tuple[str, Any]:
+        _merge_sys_path(paths)
+        try:
+            fn, args = pickle.loads(payload)
+            self._start_together(call_id)
+            torch.manual_seed(0)
+            random.seed(0)
+            np.random.seed(0)
+            torch.set_default_dtype(torch.float32)
+            torch.set_grad_enabled(True)
+            result = fn(*args)
+        except BaseException:
+            return "err", traceback.format_exc()
+        try:
+            return "ok", pickle.dumps(result)
+        except Exception:
+            return "err", f"the return value cannot be pickled:\n{traceback.format_exc()}"
+
+
+def _destroy_subgroups() -> None:
+    """Free the groups earlier calls created (meshes); each holds gloo threads and sockets otherwise.
+
+    Safe only while every rank is between calls, which the store barrier guarantees.
+    """
+    world = dist.group.WORLD
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not world:
+            dist.destroy_process_group(group)
