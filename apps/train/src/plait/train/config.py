@@ -1,0 +1,344 @@
+"""Recipe dataclasses and the strict mapping from plain YAML data onto them.
+
+A recipe is a tree of dataclasses. :func:`from_dict` maps a nested ``dict`` (as
+``yaml.safe_load`` returns it) onto a dataclass, refusing unknown keys (naming them, with the
+closest allowed key) and values of the wrong type (naming the key, the expected and the given
+type). The defaults of :class:`Recipe` *are* the embedded default recipe that
+``uv run apps/train`` trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "LaunchConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "Recipe",
+    "TrainConfig",
+    "from_dict",
+    "to_dict",
+]
+
+ModelSource = Literal["dense", "moe", "vlm", "hf"]
+Strategy = Literal["fsdp2", "ddp", "megatron_fsdp"]
+
+
+def _positive(owner: str, **values: int | float | None) -> None:
+    for name, value in values.items():
+        if value is not None and value <= 0:
+            raise ValueError(f"{owner}.{name} must be > 0, got {value!r}")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Which model to train and how to build it."""
+
+    source: ModelSource = "dense"
+    """Built-in reference model (`dense`, `moe`, `vlm`) or a Hugging Face class (`hf`)."""
+    preset: str = "tiny"
+    """Size preset of the built-in model (dense: tiny, small, llama3-8b, llama3-70b)."""
+    arch: dict[str, Any] = field(default_factory=dict)
+    """Architecture fields over the preset (e.g. `num_hidden_layers: 2`); checked strictly."""
+    hf_class: str | None = None
+    """`transformers` class name for `source: hf`, e.g. `LlamaForCausalLM`."""
+    hf_config: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the HF class's config (`source: hf`)."""
+    pretrained_path: str | None = None
+    """Local directory with `*.safetensors` (and `config.json` for HF) to load instead of random init."""
+    meta_init: bool = True
+    """Build on the meta device, parallelize, then materialise only the local shards."""
+    freeze_vision: bool = True
+    """VLM: keep the vision tower frozen (no gradients, no optimizer state)."""
+
+    def __post_init__(self) -> None:
+        if self.source == "hf" and not self.hf_class:
+            raise ValueError("model.source 'hf' needs model.hf_class, e.g. 'LlamaForCausalLM'")
+        if self.source != "hf" and (self.hf_class or self.hf_config):
+            raise ValueError(
+                f"model.hf_class/hf_config are only read with model.source 'hf', not {self.source!r}"
+            )
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How the model is split over the ranks."""
+
+    strategy: Strategy = "fsdp2"
+    """`fsdp2` (also HSDP with dp_replicate_size > 1), `ddp`, or `megatron_fsdp`."""
+    dp_size: int | None = None
+    """Data-parallel ranks; None = the ranks left after tp (and ep is carved from dp*tp)."""
+    dp_replicate_size: int = 1
+    """HSDP replicas (dp_replicate_size > 1 shards within and replicates across groups)."""
+    tp_size: int = 2
+    """Tensor-parallel ranks per model replica."""
+    ep_size: int = 1
+    """Expert-parallel ranks (MoE models only)."""
+    sequence_parallel: bool = True
+    """Shard activations between blocks on the sequence dim (ignored, with a warning, when tp_size is 1)."""
+    activation_checkpointing: bool | Literal["full", "selective"] = True
+    """Recompute activations in backward: True/'full', 'selective', or False."""
+    mixed_precision: Literal["fp32", "bf16"] = "fp32"
+    """`bf16`: bf16 compute with fp32 master weights and fp32 gradient reduction."""
+    compile: bool = False
+    """torch.compile each transformer layer after parallelization."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Extra strategy-config keys (e.g. `fsdp2_forward_prefetch_depth: 2`)."""
+
+    def __post_init__(self) -> None:
+        _positive(
+            "parallel", dp_replicate_size=self.dp_replicate_size, tp_size=self.tp_size, ep_size=self.ep_size
+        )
+        if self.dp_size not in (None, -1):
+            _positive("parallel", dp_size=self.dp_size)
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where tokens come from and how they are batched."""
+
+    source: Literal["stdlib", "files"] = "stdlib"
+    """`stdlib`: this Python's standard-library sources; `files`: the text/JSONL `paths`."""
+    paths: list[str] = field(default_factory=list)
+    """Files or glob patterns (`.txt`, `.md`, `.py`, ... as text; `.jsonl` read by `text_key`)."""
+    text_key: str = "text"
+    """JSONL field holding the document text."""
+    max_bytes: int | None = 4_000_000
+    """Stop reading the corpus after this many bytes (None = everything)."""
+    seq_len: int = 128
+    """Tokens per packed training sequence."""
+    micro_batch_size: int = 4
+    """Sequences per data-parallel rank per micro-batch."""
+    val_fraction: float = 0.02
+    """Share of documents held out for validation (every k-th document)."""
+    shuffle: bool = True
+    """Shuffle sequences each epoch (seeded)."""
+
+    def __post_init__(self) -> None:
+        _positive(
+            "data", max_bytes=self.max_bytes, seq_len=self.seq_len, micro_batch_size=self.micro_batch_size
+        )
+        if not 0.0 < self.val_fraction < 0.5:
+            raise ValueError(f"data.val_fraction must be in (0, 0.5), got {self.val_fraction!r}")
+        if self.source == "files" and not self.paths:
+            raise ValueError("data.source 'files' needs data.paths (files or glob patterns)")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW, warmup + cosine schedule, gradient clipping."""
+
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of `lr` (end of the cosine)."""
+    warmup_steps: int = 20
+    """Linear warmup steps from 0 to `lr`."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (not applied to 1-D parameters: norms and biases)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this value (None = no clipping)."""
+
+    def __post_init__(self) -> None:
+        _positive("optim", lr=self.lr, eps=self.eps, grad_clip=self.grad_clip)
+        if len(self.betas) != 2:
+            raise ValueError(f"optim.betas must have two values, got {self.betas!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps!r}")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The loop."""
+
+    steps: int = 200
+    """Optimizer steps."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    seed: int = 0
+    """Seed of weights, data order and RNG."""
+    log_every: int = 1
+    """Print a metrics line every N steps (metrics.jsonl gets every step)."""
+    val_every: int = 50
+    """Validation loss every N steps (0 = only at the end)."""
+    val_batches: int = 4
+    """Micro-batches per validation."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`auto`: CUDA when available for every local rank, else CPU (gloo)."""
+
+    def __post_init__(self) -> None:
+        _positive("train", steps=self.steps, grad_accum=self.grad_accum, val_batches=self.val_batches)
+        _positive("train", log_every=self.log_every)
+        if self.val_every < 0:
+            raise ValueError(f"train.val_every must be >= 0, got {self.val_every!r}")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Sharded checkpoints and the final export."""
+
+    every: int = 100
+    """Save every N steps (0 = never; the final step is not saved unless it is a multiple)."""
+    keep: int = 2
+    """Keep the last K complete checkpoints."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint in the run directory, if any."""
+    resume_from: str | None = None
+    """Resume from this checkpoint directory instead (e.g. `runs/x/checkpoints/step_00000003`)."""
+    export: bool = True
+    """Write a consolidated `model.safetensors` at the end."""
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint", keep=self.keep)
+        if self.every < 0:
+            raise ValueError(f"checkpoint.every must be >= 0, got {self.every!r}")
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    """Local launch when not started by torchrun."""
+
+    nproc_per_node: int = 4
+    """Ranks to start on this machine."""
+    max_restarts: int = 0
+    """Restarts of the whole local job after a rank failure (resumes from the last checkpoint)."""
+
+    def __post_init__(self) -> None:
+        _positive("launch", nproc_per_node=self.nproc_per_node)
+        if self.max_restarts < 0:
+            raise ValueError(f"launch.max_restarts must be >= 0, got {self.max_restarts!r}")
+
+
+@dataclass(kw_only=True)
+class Recipe:
+    """A whole training job. The defaults are the embedded default recipe."""
+
+    name: str = "default"
+    """Run name; the run directory is `out_dir`."""
+    out_dir: str = "runs/{name}"
+    """Run directory (metrics, checkpoints, export); `{name}` is replaced by `name`."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    @property
+    def run_dir(self) -> str:
+        """The run directory with `{name}` filled in."""
+        return self.out_dir.replace("{name}", self.name)
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """A recipe (or any of its parts) as plain data, ready for YAML/JSON."""
+    return dataclasses.asdict(obj)
+
+
+def from_dict(cls: type, data: Any, path: str = "") -> Any:
+    """Map plain data onto the dataclass ``cls`` strictly.
+
+    Raises:
+        ValueError: an unknown key (named, with the closest allowed key).
+        TypeError: a value of the wrong type (named, with the expected type).
+    """
+    where = path or "recipe"
+    if not isinstance(data, dict):
+        raise TypeError(f"{where} must be a mapping of keys to values, got {_type_name(data)}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    for key in data:
+        if key not in names:
+            near = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean '{_join(path, near[0])}'?)" if near else ""
+            raise ValueError(
+                f"unknown recipe key '{_join(path, str(key))}'{hint}; allowed: {', '.join(names)}"
+            )
+    kwargs = {key: _convert(hints[key], value, _join(path, key)) for key, value in data.items()}
+    return cls(**kwargs)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_describe(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for arm in args:
+            try:
+                return _convert(arm, value, path)
+            except (TypeError, ValueError) as err:
+                errors.append(err)
+        raise TypeError(f"{path} must be {_describe(tp)}, got {value!r} ({_type_name(value)})")
+    if origin is Literal:
+        if value in args and not (isinstance(value, bool) and not any(isinstance(a, bool) for a in args)):
+            return value
+        raise ValueError(f"{path} must be one of {', '.join(repr(a) for a in args)}, got {value!r}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise TypeError(f"{path} must be a list, got {value!r} ({_type_name(value)})")
+        return [_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise TypeError(f"{path} must be a mapping, got {value!r} ({_type_name(value)})")
+        return {str(k): _convert(args[1], v, _join(path, str(k))) for k, v in value.items()}
+    return _convert_scalar(tp, value, path)
+
+
+def _convert_scalar(tp: Any, value: Any, path: str) -> Any:
+    if tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:
+        raise AssertionError(f"unsupported recipe field type {tp!r} at {path}")
+    raise TypeError(f"{path} must be {_describe(tp)}, got {value!r} ({_type_name(value)})")
