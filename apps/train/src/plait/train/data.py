@@ -1,0 +1,205 @@
+"""Corpus, byte-level tokens, sequence packing, a resumable sampler over the ``dp`` mesh, validation.
+
+The built-in corpus is this Python's standard-library sources (``sysconfig.get_paths()["stdlib"]``,
+``*.py``, sorted, without ``site-packages``), so it exists on every machine. Tokens are bytes
+(0-255) plus ``EOS`` after each document. Documents are split into train and validation by index
+(every k-th document is held out), each side concatenated and cut into ``seq_len + 1`` windows.
+
+The sampler walks one global order (a seeded permutation per epoch); each optimizer micro-step
+takes ``micro_batch_size * dp_size`` consecutive positions and data-parallel rank ``r`` keeps the
+r-th slice. TP ranks share a dp rank, so they get the same batch; the global batch is the same
+whatever the mesh; the position is the whole resumable state.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from plait.train.config import DataConfig
+
+__all__ = [
+    "EOS",
+    "TOKENIZER_VOCAB",
+    "Corpus",
+    "GlobalSampler",
+    "PackedDataset",
+    "decode",
+    "encode",
+    "load_corpus",
+    "read_documents",
+    "stdlib_files",
+    "synthetic_images",
+]
+
+EOS = 256
+"""End-of-document token."""
+TOKENIZER_VOCAB = 257
+"""Token ids in use: 256 bytes + EOS."""
+
+
+def stdlib_files() -> list[Path]:
+    """This interpreter's standard-library ``*.py`` files, sorted by relative path (no site-packages)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    found = [p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts)]
+    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _expand(patterns: list[str]) -> list[Path]:
+    files: list[Path] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
+        for match in matches:
+            path = Path(match)
+            if not path.is_file():
+                raise ValueError(f"data.paths entry {pattern!r} matches no file ({match!r} is not a file)")
+            files.append(path)
+    return files
+
+
+def _documents_of(path: Path, text_key: str) -> Iterator[bytes]:
+    if path.suffix != ".jsonl":
+        yield path.read_bytes()
+        return
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
+            raise ValueError(
+                f"{path}:{lineno}: expected a JSON object with a string {text_key!r} (data.text_key)"
+            )
+        yield record[text_key].encode("utf-8")
+
+
+def read_documents(cfg: DataConfig) -> list[bytes]:
+    """The corpus documents in a fixed order, stopping after ``cfg.max_bytes`` bytes."""
+    files = stdlib_files() if cfg.source == "stdlib" else _expand(cfg.paths)
+    docs: list[bytes] = []
+    total = 0
+    for path in files:
+        for doc in _documents_of(path, cfg.text_key):
+            if cfg.max_bytes is not None and total + len(doc) > cfg.max_bytes:
+                docs.append(doc[: cfg.max_bytes - total])
+                return [d for d in docs if d]
+            docs.append(doc)
+            total += len(doc)
+    return [d for d in docs if d]
+
+
+def encode(doc: bytes) -> np.ndarray:
+    """Byte tokens of one document followed by EOS."""
+    return np.concatenate([np.frombuffer(doc, dtype=np.uint8).astype(np.int32), np.array([EOS], np.int32)])
+
+
+def decode(tokens: list[int] | np.ndarray) -> str:
+    """Bytes back to text (EOS becomes a newline); for samples and debugging."""
+    return bytes(t if t < 256 else 10 for t in tokens).decode("utf-8", errors="replace")
+
+
+class PackedDataset:
+    """A token stream cut into ``seq_len + 1`` windows: ``inputs = w[:-1]``, ``labels = w[1:]``."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+        self.tokens = tokens
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - 1) // self.seq_len)
+
+    def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(input_ids, labels)`` of shape (len(indices), seq_len), int64."""
+        s = self.seq_len
+        windows = np.stack([self.tokens[i * s : i * s + s + 1] for i in indices]).astype(np.int64)
+        data = torch.from_numpy(windows)
+        return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+@dataclass
+class Corpus:
+    """Train and validation splits of the packed corpus."""
+
+    train: PackedDataset
+    val: PackedDataset
+    num_documents: int
+    num_bytes: int
+
+
+def load_corpus(cfg: DataConfig) -> Corpus:
+    """Read, tokenize, split (every k-th document to validation) and pack.
+
+    Raises:
+        ValueError: a split holds less than one sequence.
+    """
+    docs = read_documents(cfg)
+    every = max(2, round(1 / cfg.val_fraction))
+    train = [encode(d) for i, d in enumerate(docs) if i % every != every - 1]
+    val = [encode(d) for i, d in enumerate(docs) if i % every == every - 1]
+    corpus = Corpus(
+        train=PackedDataset(np.concatenate(train) if train else np.zeros(0, np.int32), cfg.seq_len),
+        val=PackedDataset(np.concatenate(val) if val else np.zeros(0, np.int32), cfg.seq_len),
+        num_documents=len(docs),
+        num_bytes=sum(len(d) for d in docs),
+    )
+    for split in ("train", "val"):
+        if len(getattr(corpus, split)) == 0:
+            raise ValueError(
+                f"the {split} split of the corpus ({len(docs)} documents, {corpus.num_bytes} bytes) holds no "
+                f"sequence of data.seq_len={cfg.seq_len}+1 tokens; add data, raise data.max_bytes or lower seq_len"
+            )
+    return corpus
+
+
+class GlobalSampler:
+    """Indices of one global order, sliced per data-parallel rank; resumable by position."""
+
+    def __init__(
+        self, num_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int, *, seed: int, shuffle: bool
+    ) -> None:
+        self.num_samples = num_samples
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.position = 0
+        self._epoch = -1
+        self._order = np.arange(num_samples)
+
+    def _index(self, position: int) -> int:
+        epoch, offset = divmod(position, self.num_samples)
+        if self.shuffle and epoch != self._epoch:
+            generator = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+            self._order = torch.randperm(self.num_samples, generator=generator).numpy()
+            self._epoch = epoch
+        return int(self._order[offset])
+
+    def next_indices(self) -> list[int]:
+        """This rank's sample indices of the next micro-batch; advances the global position."""
+        start = self.position + self.dp_rank * self.micro_batch_size
+        indices = [self._index(start + i) for i in range(self.micro_batch_size)]
+        self.position += self.micro_batch_size * self.dp_size
+        return indices
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = int(state["position"])
+
+
+def synthetic_images(indices: list[int], channels: int, size: int, seed: int) -> torch.Tensor:
+    """Deterministic pseudo-images for VLM recipes on a text corpus: one per sample index."""
+    images = [
+        torch.rand(channels, size, size, generator=torch.Generator().manual_seed(seed * 7919 + 104729 + i))
+        for i in indices
+    ]
+    return torch.stack(images)

@@ -1,0 +1,85 @@
+"""Corpus, packing, sampler and validation split: deterministic, mesh-independent, resumable."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from plait.train.config import DataConfig
+from plait.train.data import EOS, GlobalSampler, PackedDataset, load_corpus, read_documents, stdlib_files
+
+
+def test_stdlib_corpus_is_sorted_deterministic_and_excludes_site_packages():
+    files = stdlib_files()
+    root = Path(sysconfig.get_paths()["stdlib"])
+    rel = [f.relative_to(root).as_posix() for f in files]
+    assert len(files) > 100
+    assert rel == sorted(rel)
+    assert not any("site-packages" in r for r in rel)
+    assert all(r.endswith(".py") for r in rel)
+    assert files == stdlib_files()
+
+
+def test_max_bytes_caps_the_corpus_and_documents_keep_their_order():
+    docs = read_documents(DataConfig(max_bytes=50_000))
+    assert sum(len(d) for d in docs) == 50_000
+    assert docs[0] == stdlib_files()[0].read_bytes()[: len(docs[0])]
+
+
+def test_packing_shifts_labels_and_splits_documents(tmp_path: Path):
+    texts = [f"document number {i} " * 5 for i in range(20)]
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts[:10]))
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts[10:]))
+    cfg = DataConfig(source="files", paths=[str(tmp_path / "*.jsonl")], seq_len=16, val_fraction=0.25)
+    corpus = load_corpus(cfg)
+    assert corpus.num_documents == 20
+    val_text = bytes(int(t) for t in corpus.val.tokens if t != EOS).decode()
+    train_text = bytes(int(t) for t in corpus.train.tokens if t != EOS).decode()
+    held_out = [t for i, t in enumerate(texts) if i % 4 == 3]
+    assert val_text == "".join(held_out)
+    assert all(t not in train_text for t in held_out)
+    inputs, labels = corpus.train.batch([0, 2])
+    assert inputs.shape == labels.shape == (2, 16)
+    assert (inputs[:, 1:] == labels[:, :-1]).all()
+    assert inputs[1, 0] == corpus.train.tokens[32]
+
+
+def test_bad_data_paths_and_tiny_corpora_are_errors(tmp_path: Path):
+    with pytest.raises(ValueError, match="matches no file"):
+        load_corpus(DataConfig(source="files", paths=[str(tmp_path / "missing.txt")]))
+    (tmp_path / "t.txt").write_text("short")
+    with pytest.raises(ValueError, match="holds no sequence"):
+        load_corpus(DataConfig(source="files", paths=[str(tmp_path / "t.txt")], seq_len=64))
+
+
+def _global_batches(dp_size: int, steps: int, mbs: int, start: int = 0) -> list[list[int]]:
+    samplers = [GlobalSampler(37, mbs, r, dp_size, seed=3, shuffle=True) for r in range(dp_size)]
+    for s in samplers:
+        s.load_state_dict({"position": start})
+    return [[i for s in samplers for i in s.next_indices()] for _ in range(steps)]
+
+
+def test_global_batch_is_the_same_whatever_the_dp_size():
+    one = _global_batches(1, 6, mbs=4)
+    two = _global_batches(2, 6, mbs=2)
+    four = _global_batches(4, 6, mbs=1)
+    assert one == two == four
+
+
+def test_sampler_resumes_exactly_and_covers_each_epoch():
+    full = _global_batches(2, 10, mbs=2)
+    resumed = _global_batches(2, 4, mbs=2, start=6 * 4)
+    assert resumed == full[6:]
+    first_epoch = [i for batch in _global_batches(1, 37, mbs=1) for i in batch]
+    assert sorted(first_epoch) == list(range(37))
+    second = [i for batch in _global_batches(1, 37, mbs=1, start=37) for i in batch]
+    assert sorted(second) == list(range(37)) and second != first_epoch
+
+
+def test_packed_dataset_length():
+    assert len(PackedDataset(np.arange(33), 8)) == 4
+    assert len(PackedDataset(np.arange(32), 8)) == 3
