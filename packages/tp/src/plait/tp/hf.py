@@ -1,0 +1,191 @@
+"""Translate a Hugging Face model's ``_tp_plan`` into torch parallel styles (duck typing, no transformers import)."""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+)
+
+from plait.tp.plans import _language_rank, find_decoder, model_embeddings, module_fqn, register_tp_plan
+from plait.tp.styles import (
+    ReplicatedWithGradAllReduce,
+    ReplicateParallel,
+    SequenceParallelNorm,
+    VocabParallelEmbedding,
+    loss_parallel_head,
+    parse_style,
+)
+
+__all__ = ["hf_tp_plan", "is_remote_code_model"]
+
+# Hugging Face MoE / expert-parallel styles: dropped, so experts stay replicated under TP.
+_MOE_STYLES = frozenset(
+    {
+        "ep_dispatch_experts",
+        "ep_router",
+        "gather",
+        "grouped_gemm",
+        "local",
+        "local_colwise",
+        "local_packed_rowwise",
+        "local_rowwise",
+        "moe_identity_expert",
+        "moe_tp_experts",
+    }
+)
+_HF_ALIASES = {"rowwise_split_input": "rowwise_rep"}
+_HEAD_STYLES = frozenset({"colwise_rep", "colwise_gather_output", "colwise"})
+
+
+def is_remote_code_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face ``trust_remote_code`` model (its class lives outside transformers)."""
+    module = type(model).__module__
+    if module.startswith("transformers_modules"):
+        return True
+    has_hf_config = hasattr(getattr(model, "config", None), "model_type")
+    return (
+        getattr(type(model), "_auto_class", None) is not None
+        and has_hf_config
+        and not module.startswith("transformers.")
+    )
+
+
+def _own_plan(module: nn.Module) -> dict[str, Any]:
+    """A module's own HF plan: class ``_tp_plan`` merged with the instance's, else its config's base plan."""
+    plan = dict(getattr(type(module), "_tp_plan", None) or {})
+    plan.update(vars(module).get("_tp_plan") or {})
+    if not plan and getattr(module, "base_model", None) is module:
+        plan.update(getattr(getattr(module, "config", None), "base_model_tp_plan", None) or {})
+    return plan
+
+
+def _collect(model: nn.Module) -> dict[str, Any]:
+    """The root's plan, completed with the most specific nested provider's keys (prefixed with its path)."""
+    plan = _own_plan(model)
+    nested = [(fqn, own) for fqn, m in model.named_modules() if fqn and (own := _own_plan(m))]
+    if nested:
+        fqn, own = max(nested, key=lambda item: (_language_rank(item[0]), item[0].count(".")))
+        for key, style in own.items():
+            plan.setdefault(f"{fqn}.{key}", style)
+    return plan
+
+
+def _translate(model: nn.Module, key: str, style: Any) -> ParallelStyle:
+    if isinstance(style, ParallelStyle):
+        return style
+    try:
+        return parse_style(_HF_ALIASES.get(style, style))
+    except ValueError:
+        raise ValueError(
+            f"Hugging Face TP plan of {type(model).__name__} uses style {style!r} for {key!r}, which plait cannot "
+            "translate; pass tp_plan= (a dict, a registered plan name, or 'pkg.mod:ATTR')"
+        ) from None
+
+
+def _sequence_parallel(
+    model: nn.Module, plan: dict[str, ParallelStyle], head: str | None
+) -> dict[str, ParallelStyle]:
+    """Re-layout a translated Llama-style plan for sequence parallel (``Shard(1)`` residual stream)."""
+    decoder = find_decoder(model)
+    if decoder is None or len(decoder[1].layers) == 0:
+        raise ValueError(
+            f"sequence_parallel with the Hugging Face TP plan of {type(model).__name__} needs a Llama-style decoder "
+            "(`embed_tokens` + `layers`); set sequence_parallel=False or pass tp_plan="
+        )
+    base_fqn, base = decoder
+    prefix = f"{base_fqn}." if base_fqn else ""
+    layers = f"{prefix}layers.*."
+    out: dict[str, ParallelStyle] = {}
+    for key, style in plan.items():
+        if key == head:
+            out[key] = loss_parallel_head(sequence_parallel=True)
+        elif isinstance(style, VocabParallelEmbedding) and key == f"{prefix}embed_tokens":
+            out[key] = VocabParallelEmbedding(output_layouts=Shard(1), use_local_output=False)
+        elif (
+            key.startswith(layers) and type(style) is ColwiseParallel and style.output_layouts == (Shard(-1),)
+        ):
+            out[key] = ColwiseParallel(input_layouts=Shard(1))
+        elif (
+            key.startswith(layers) and type(style) is RowwiseParallel and style.input_layouts == (Shard(-1),)
+        ):
+            out[key] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+        elif key.startswith(layers) and isinstance(style, ReplicatedWithGradAllReduce):
+            out[key] = style
+        else:
+            raise ValueError(
+                f"cannot combine sequence_parallel with the Hugging Face TP plan entry {key!r} of "
+                f"{type(model).__name__}; set sequence_parallel=False or pass tp_plan="
+            )
+    return _add_norms(out, base_fqn, base, sequence_parallel=True)
+
+
+def _add_norms(
+    plan: dict[str, ParallelStyle], base_fqn: str, base: nn.Module, *, sequence_parallel: bool
+) -> dict[str, ParallelStyle]:
+    """Give the decoder's norms (direct children of the layers, and the final ``norm``) replicated weights.
+
+    Sequence-parallel norms under SP, else ``ReplicateParallel``, so that every parameter is a DTensor.
+    """
+    prefix = f"{base_fqn}." if base_fqn else ""
+    norms = [
+        (f"{prefix}layers.0.{name}", f"{prefix}layers.*.{name}")
+        for name, child in base.layers[0].named_children()
+        if "norm" in type(child).__name__.lower()
+    ]
+    if isinstance(getattr(base, "norm", None), nn.Module):
+        norms.append((f"{prefix}norm", f"{prefix}norm"))
+    out = dict(plan)
+    for fqn, pattern in norms:
+        if not any(fnmatchcase(fqn, key) for key in out):
+            out[pattern] = SequenceParallelNorm() if sequence_parallel else ReplicateParallel()
+    return out
+
+
+def hf_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle] | None:
+    """Translate the model's Hugging Face TP plan, or return ``None`` when it has none.
+
+    The root's class ``_tp_plan`` merged with its instance ``_tp_plan``, completed by the most specific
+    nested provider (a ``language_model`` / ``text_model`` path first, then the deepest), keys prefixed
+    with its path. The input embedding is added as vocab-parallel when missing, MoE styles are dropped
+    (experts stay replicated), and a gathered ``lm_head`` becomes a loss-parallel head (vocab-sharded
+    ``DTensor`` logits). For a Llama-style decoder the norms get replicated DTensor weights, and with
+    ``sequence_parallel`` the plan is re-laid-out for a ``Shard(1)`` residual stream.
+
+    Raises:
+        ValueError: a style plait cannot translate, or an entry that cannot be made sequence parallel.
+    """
+    raw = _collect(model)
+    if not raw:
+        return None
+    head = module_fqn(model, model_embeddings(model, "get_output_embeddings"))
+    plan: dict[str, ParallelStyle] = {}
+    for key, style in raw.items():
+        if isinstance(style, str) and style in _MOE_STYLES:
+            continue
+        if head is not None and fnmatchcase(head, key) and style in _HEAD_STYLES:
+            plan[key] = loss_parallel_head(sequence_parallel=False)
+        else:
+            plan[key] = _translate(model, key, style)
+    embed = module_fqn(model, model_embeddings(model, "get_input_embeddings"))
+    if plan and embed is not None and not any(fnmatchcase(embed, key) for key in plan):
+        plan = {embed: VocabParallelEmbedding(), **plan}
+    if not plan:
+        return None
+    if sequence_parallel:
+        return _sequence_parallel(model, plan, head)
+    decoder = find_decoder(model)
+    return (
+        plan
+        if decoder is None or len(decoder[1].layers) == 0
+        else _add_norms(plan, *decoder, sequence_parallel=False)
+    )
+
+
+register_tp_plan("hf", hf_tp_plan)
