@@ -46,8 +46,15 @@ _ERROR_GRACE_S = 5.0
 _STACK_WAIT_S = 2.0
 _IN_WORKER_ENV = "PLAIT_TESTING_WORKER"
 _WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-_PRELOAD = ("numpy", "torch", "torch.distributed", "plait.testing")
-_PRELOAD_IF_IMPORTED = ("transformers", "torch.distributed.fsdp", "torch.distributed.tensor")
+_PRELOAD = (
+    "numpy",
+    "torch",
+    "torch._dynamo",  # DTensor and FSDP import it lazily; without .pyc files that costs ~10 s per process
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "plait.testing",
+)
+_PRELOAD_IF_IMPORTED = ("transformers",)
 
 
 class RankFailure(AssertionError):
