@@ -77,3 +77,14 @@ def max_diff(ref: nn.Module, par: nn.Module, attr: str) -> tuple[float, str, int
         if diff >= worst:
             worst, where = diff, name
     return worst, where, count
+
+
+def clear_dtensor_caches() -> None:
+    """Forget DTensor sharding decisions cached by earlier calls on this worker.
+
+    DeviceMeshes compare equal by layout, so a cached output spec can carry the mesh of an earlier
+    call whose process groups the harness has destroyed since; call this first in every rank function.
+    """
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
