@@ -1,0 +1,175 @@
+"""DTensor-aware comparison of a parallelized model against its unsharded reference.
+
+`full_tensor` on a DTensor is a collective: every rank must call these helpers on the same
+models in the same order (they walk parameters in sorted-name order, so they do).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "ParityResult",
+    "assert_models_close",
+    "clean_fqn",
+    "full_tensor",
+    "max_grad_diff",
+    "max_param_diff",
+]
+
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Return `t` as a plain detached tensor, all-gathering it first when it is a DTensor (collective)."""
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    return t.detach()
+
+
+def clean_fqn(name: str, strip_ddp: bool = False) -> str:
+    """Strip wrapper segments (activation checkpointing, torch.compile, FSDP1) from a parameter name.
+
+    Args:
+        name: a fully qualified parameter or module name.
+        strip_ddp: also drop the leading `module.` that DistributedDataParallel adds.
+    """
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    if strip_ddp and name.startswith("module."):
+        name = name[len("module.") :]
+    return name
+
+
+def _named(model: nn.Module, strip_ddp: bool) -> dict[str, nn.Parameter]:
+    return {clean_fqn(name, strip_ddp): p for name, p in model.named_parameters()}
+
+
+def _paired(
+    ref_model: nn.Module, par_model: nn.Module, strip_ddp: bool
+) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
+    ref, par = _named(ref_model, strip_ddp), _named(par_model, strip_ddp)
+    if ref.keys() != par.keys():
+        missing, extra = sorted(ref.keys() - par.keys()), sorted(par.keys() - ref.keys())
+        raise AssertionError(
+            f"parameter names differ after cleaning: missing in the parallel model {missing}, "
+            f"only in the parallel model {extra} (tied weights lost? a wrapper prefix not stripped?)"
+        )
+    return [(name, ref[name], par[name]) for name in sorted(ref)]
+
+
+def _max_abs_diff(name: str, ref: torch.Tensor, par: torch.Tensor) -> float:
+    ref, par = full_tensor(ref), full_tensor(par)
+    if ref.shape != par.shape:
+        raise AssertionError(
+            f"{name}: shape {tuple(par.shape)} in the parallel model, {tuple(ref.shape)} in the reference"
+        )
+    if ref.numel() == 0:
+        return 0.0
+    return (ref.float() - par.float().to(ref.device)).abs().max().item()
+
+
+def _worse(worst: float, worst_name: str, diff: float, name: str) -> tuple[float, str]:
+    """Keep the larger difference; a NaN difference is the worst of all."""
+    if not worst_name or (math.isnan(diff) and not math.isnan(worst)) or diff > worst:
+        return diff, name
+    return worst, worst_name
+
+
+def max_grad_diff(
+    ref_model: nn.Module, par_model: nn.Module, *, strip_ddp: bool = False
+) -> tuple[float, str]:
+    """Largest absolute gradient difference over parameters matched by cleaned name, and its name.
+
+    Parameters whose gradient is None on both sides are skipped; None on one side only fails.
+    """
+    worst, worst_name = 0.0, ""
+    for name, ref, par in _paired(ref_model, par_model, strip_ddp):
+        if ref.grad is None and par.grad is None:
+            continue
+        if ref.grad is None or par.grad is None:
+            side = "reference" if ref.grad is None else "parallel model"
+            raise AssertionError(f"{name}: gradient is None in the {side} only")
+        diff = _max_abs_diff(name, ref.grad, par.grad)
+        worst, worst_name = _worse(worst, worst_name, diff, name)
+    return worst, worst_name
+
+
+def max_param_diff(
+    ref_model: nn.Module, par_model: nn.Module, *, strip_ddp: bool = False
+) -> tuple[float, str]:
+    """Largest absolute parameter difference over parameters matched by cleaned name, and its name."""
+    worst, worst_name = 0.0, ""
+    for name, ref, par in _paired(ref_model, par_model, strip_ddp):
+        diff = _max_abs_diff(name, ref, par)
+        worst, worst_name = _worse(worst, worst_name, diff, name)
+    return worst, worst_name
+
+
+def assert_models_close(
+    ref_model: nn.Module,
+    par_model: nn.Module,
+    atol: float = 1e-5,
+    grads: bool = True,
+    *,
+    strip_ddp: bool = False,
+) -> None:
+    """Assert every parameter (and, when `grads`, every gradient) matches the reference within `atol`."""
+    diff, name = max_param_diff(ref_model, par_model, strip_ddp=strip_ddp)
+    assert diff <= atol, f"parameter {name} differs by {diff:.3g} (atol {atol:g})"
+    if grads:
+        diff, name = max_grad_diff(ref_model, par_model, strip_ddp=strip_ddp)
+        assert diff <= atol, f"gradient of {name} differs by {diff:.3g} (atol {atol:g})"
+
+
+@dataclass(frozen=True)
+class ParityResult:
+    """What a parity test body returns from each rank; unmeasured fields stay NaN (never 'close')."""
+
+    loss_diff: float = math.nan
+    grad_diff: float = math.nan
+    worst_grad: str = ""
+    param_diff: float = math.nan
+    worst_param: str = ""
+
+    @classmethod
+    def measure(
+        cls,
+        ref_model: nn.Module,
+        par_model: nn.Module,
+        *,
+        ref_loss: torch.Tensor | None = None,
+        par_loss: torch.Tensor | None = None,
+        grads: bool = True,
+        params: bool = True,
+        strip_ddp: bool = False,
+    ) -> ParityResult:
+        """Compare losses (if given), gradients and parameters of the two models (collective)."""
+        loss_diff = math.nan
+        if ref_loss is not None and par_loss is not None:
+            loss_diff = abs(full_tensor(ref_loss).float().item() - full_tensor(par_loss).float().item())
+        grad_diff, worst_grad = (
+            max_grad_diff(ref_model, par_model, strip_ddp=strip_ddp) if grads else (math.nan, "")
+        )
+        param_diff, worst_param = (
+            max_param_diff(ref_model, par_model, strip_ddp=strip_ddp) if params else (math.nan, "")
+        )
+        return cls(loss_diff, grad_diff, worst_grad, param_diff, worst_param)
+
+    def assert_close(self, atol: float = 1e-5) -> None:
+        """Assert every measured field is within `atol`; fails when nothing was measured."""
+        measured = {
+            "loss": (self.loss_diff, ""),
+            "gradient": (self.grad_diff, self.worst_grad),
+            "parameter": (self.param_diff, self.worst_param),
+        }
+        measured = {kind: v for kind, v in measured.items() if not math.isnan(v[0])}
+        assert measured, "ParityResult measured nothing"
+        for kind, (diff, name) in measured.items():
+            label = f"{kind} of {name}" if name else kind
+            assert diff <= atol, f"{label} differs by {diff:.3g} (atol {atol:g})"
