@@ -1,7 +1,8 @@
-"""Rank-side helpers shared by the strategies tests: seeded batches, losses and parity measurements."""
+"""Rank-side helpers shared by the strategies tests: seeded batches, the LM loss, a parity run."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -9,21 +10,21 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+from plait.testing.parity import max_grad_diff, max_param_diff
 
-
-def clean_name(name: str) -> str:
-    """Parameter FQN without checkpoint / FSDP / compile wrappers and without DDP's ``module.`` prefix."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name.removeprefix("module.")
+Build = Callable[[], tuple[nn.Module, nn.Module]]
+"""Returns ``(reference, parallelized)`` models with equal initial weights."""
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's full value (a collective); a plain tensor unchanged."""
-    full_tensor = getattr(t, "full_tensor", None)
-    return full_tensor() if full_tensor is not None else t
+def clear_dtensor_caches() -> None:
+    """Forget DTensor sharding decisions cached by earlier calls on this worker.
+
+    DeviceMeshes compare equal by layout, so a cached output spec can carry the mesh of an earlier
+    call whose process groups the harness has destroyed since; call this before building meshes.
+    """
+    _clear_sharding_prop_cache()
 
 
 def global_batch(vocab: int, world: int, per_rank: int = 2, seq: int = 8, seed: int = 1) -> torch.Tensor:
@@ -50,41 +51,52 @@ def mean_over_ranks(value: torch.Tensor) -> float:
 
 @dataclass
 class Parity:
-    """Worst differences between a parallel model and its unsharded reference."""
+    """Worst differences between a parallel model and its unsharded reference (NaN = not measured)."""
 
-    loss_diff: float
-    grad_diff: float
-    worst_grad: str
-    grads_compared: int
-    param_diff: float = 0.0
+    loss_diff: float = math.nan
+    grad_diff: float = math.nan
+    worst_grad: str = ""
+    param_diff: float = math.nan
     worst_param: str = ""
-    adamw_loss_diff: float = 0.0
+    adamw_loss_diff: float = math.nan
+
+    def check(self) -> None:
+        """fp32 parity: loss and gradients 1e-5, params after 2 SGD steps 1e-5, AdamW losses 1e-4."""
+        assert self.loss_diff <= 1e-5, self
+        assert self.grad_diff <= 1e-5, self
+        assert self.param_diff <= 1e-5, self
+        assert self.adamw_loss_diff <= 1e-4, self
 
 
-def max_diff(ref: nn.Module, par: nn.Module, attr: str) -> tuple[float, str, int]:
-    """Largest |par - ref| over parameters (``attr`` = ``"grad"`` or ``"data"``), matched by clean FQN."""
-    ref_params = dict(ref.named_parameters())
-    worst, where, count = 0.0, "", 0
-    for name, param in par.named_parameters():
-        value = param.grad if attr == "grad" else param.detach()
-        expected = getattr(ref_params[clean_name(name)], attr)
-        if value is None or expected is None:
-            if (value is None) != (expected is None):
-                return float("inf"), f"{name}: grad presence differs", count
-            continue
-        diff = (full(value) - expected).abs().max().item()
-        count += 1
-        if diff >= worst:
-            worst, where = diff, name
-    return worst, where, count
+def _steps(
+    ref: nn.Module, par: nn.Module, batch: torch.Tensor, opt: Callable[..., torch.optim.Optimizer], n: int
+):
+    ref_opt, par_opt = opt(ref.parameters()), opt(par.parameters())
+    for _ in range(n):
+        ref_loss, par_loss = lm_loss(ref, batch), lm_loss(par, local_rows(batch))
+        ref_loss.backward()
+        par_loss.backward()
+        yield abs(mean_over_ranks(par_loss) - ref_loss.item())
+        ref_opt.step()
+        par_opt.step()
+        ref_opt.zero_grad()
+        par_opt.zero_grad()
 
 
-def clear_dtensor_caches() -> None:
-    """Forget DTensor sharding decisions cached by earlier calls on this worker.
+def run_parity(build: Build, vocab: int, strip_ddp: bool = False) -> Parity:
+    """Loss + every gradient of step 1, parameters after 2 SGD steps, losses over 3 AdamW steps.
 
-    DeviceMeshes compare equal by layout, so a cached output spec can carry the mesh of an earlier
-    call whose process groups the harness has destroyed since; call this first in every rank function.
+    The reference sees the whole global batch; rank r's parallel model sees its rows; the parallel
+    loss is averaged over ranks (equal rows per rank, so it equals the reference's mean).
     """
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()
+    batch = global_batch(vocab, dist.get_world_size())
+    ref, par = build()
+    result = Parity(loss_diff=0.0)
+    for step, loss_diff in enumerate(_steps(ref, par, batch, lambda p: torch.optim.SGD(p, lr=0.5), 2)):
+        result.loss_diff = max(result.loss_diff, loss_diff)
+        if step == 0:
+            result.grad_diff, result.worst_grad = max_grad_diff(ref, par, strip_ddp=strip_ddp)
+    result.param_diff, result.worst_param = max_param_diff(ref, par, strip_ddp=strip_ddp)
+    ref, par = build()
+    result.adamw_loss_diff = max(_steps(ref, par, batch, lambda p: torch.optim.AdamW(p, lr=1e-2), 3))
+    return result
