@@ -104,6 +104,7 @@ _POOLS: OrderedDict[int, _Pool] = OrderedDict()
 def _get_pool(world_size: int) -> _Pool:
     pool = _POOLS.pop(world_size, None)
     if pool is not None and not pool.usable():
+        pool.close(kill=True)
         pool = None
     if pool is None:
         while _POOLS and sum(p.world_size for p in _POOLS.values()) + world_size > _MAX_LIVE_WORKERS:
