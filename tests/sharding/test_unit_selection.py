@@ -11,6 +11,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from plait.sharding import apply_fsdp_sharding, fully_shard_root, select_fsdp_units
 from plait.testing.fake_pg import fake_process_group
+from plait.testing.models import NestedContainerModel
 
 
 class _Nested(nn.Module):
@@ -29,7 +30,14 @@ class _Nested(nn.Module):
         self.head = nn.Linear(8, 16)
 
 
-_EXPECTED = ["towers.a.0", "towers.a.1", "towers.b.0", "stack.blocks.0", "stack.blocks.1.0", "stack.blocks.1.1"]
+_EXPECTED = [
+    "towers.a.0",
+    "towers.a.1",
+    "towers.b.0",
+    "stack.blocks.0",
+    "stack.blocks.1.0",
+    "stack.blocks.1.1",
+]
 
 
 class _Recorder:
@@ -48,6 +56,27 @@ def test_every_container_element_is_a_unit_and_containers_are_walked_into() -> N
     model = _Nested()
     assert [c.fqn for c in select_fsdp_units(model)] == _EXPECTED  # ReLU has no parameters
     assert [c.last for c in select_fsdp_units(model)] == [False, True, True, False, False, True]
+
+
+def test_shared_nested_container_model_units() -> None:
+    model = NestedContainerModel()
+    with fake_process_group(2):
+        units = apply_fsdp_sharding(model, init_device_mesh("cpu", (2,)))
+    names = {id(m): fqn for fqn, m in model.named_modules()}
+    assert [names[id(u)] for u in units] == [
+        "towers.text.0",
+        "towers.text.1",
+        "towers.image.0",
+        "towers.image.1",
+        "stages.0",
+        "stages.1",  # an element is a unit as a whole: its own `blocks` list is not walked
+        "grid.0.0",
+        "grid.0.1",
+        "grid.1.0",
+    ]
+    reshard = [u._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None for u in units]
+    assert reshard == [True, False, True, False, True, False, True, False, False]
+    assert not any(isinstance(m, FSDPModule) for m in (model.embed, model.mixer, model.head, model.towers))
 
 
 def _shard(model: nn.Module, world: int = 4, **kwargs: Any) -> _Recorder:

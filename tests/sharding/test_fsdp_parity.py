@@ -1,0 +1,103 @@
+"""FSDP2 / HSDP units on real gloo ranks match the unsharded model; tied embeddings stay one parameter."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from plait.sharding import apply_fsdp_sharding, fully_shard_root, fully_shard_untied_embeddings
+from plait.testing import run_on_ranks
+from plait.testing.models import DecoderConfig, DenseDecoder
+from tests.sharding._parity import Parity, run_parity, token_batches
+
+
+def _decoder(vocab: int, tied: bool) -> DenseDecoder:
+    return DenseDecoder(
+        DecoderConfig(
+            vocab_size=vocab,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=tied,
+        )
+    )
+
+
+def _mesh(shape: tuple[int, ...]) -> DeviceMesh:
+    names = ("dp_replicate", "dp_shard") if len(shape) == 2 else ("dp_shard",)
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def _shard_dense(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """The sidecar's FSDP2 order: layer units, untied-embedding units, the root last."""
+    apply_fsdp_sharding(model, mesh)
+    fully_shard_untied_embeddings(
+        model, mesh, mp_policy=None, offload_policy=None, input_reshard_after_forward=True
+    )
+    return fully_shard_root(model, mesh, mp_policy=None, offload_policy=None)
+
+
+def _structure(ref: nn.Module, par: nn.Module) -> dict[str, Any]:
+    embed, head = par.model.embed_tokens.weight, par.lm_head.weight
+    root_params = [p.sharded_param for p in par._get_fsdp_state()._fsdp_param_group.fsdp_params]
+    return {
+        "units": [fqn for fqn, m in par.named_modules() if isinstance(m, FSDPModule)],
+        "tied": embed is head,
+        "embed_owners_in_root": sum(p is embed for p in root_params),
+        "all_dtensor": all(isinstance(p, DTensor) for p in par.parameters()),
+        "embed_local_rows": embed.to_local().shape[0],
+    }
+
+
+def _dense_parity(shape: tuple[int, ...], vocab: int, tied: bool) -> Parity:
+    mesh = _mesh(shape)
+    batches = token_batches(vocab, dist.get_world_size())
+    return run_parity(
+        partial(_decoder, vocab, tied), partial(_shard_dense, mesh=mesh), batches, dist.get_rank(), _structure
+    )
+
+
+@pytest.mark.parametrize(
+    ("shape", "vocab"),
+    [
+        ((2,), 64),
+        ((4,), 67),  # vocab not divisible by the world size: FSDP pads the last shard
+        ((2, 2), 64),  # HSDP: replicate over dim 0, shard over dim 1
+    ],
+)
+def test_fsdp_untied_decoder_matches_reference(shape: tuple[int, ...], vocab: int) -> None:
+    world = 1
+    for size in shape:
+        world *= size
+    results = run_on_ranks(_dense_parity, world, shape, vocab, False)
+    for rank, result in enumerate(results):
+        result.check()
+        assert result.extra["units"] == [
+            "",
+            "model.embed_tokens",
+            "model.layers.0",
+            "model.layers.1",
+            "lm_head",
+        ]
+        assert result.extra["all_dtensor"] and not result.extra["tied"]
+        shard = shape[-1]
+        expected_rows = min(-(-vocab // shard), max(vocab - (rank % shard) * -(-vocab // shard), 0))
+        assert result.extra["embed_local_rows"] == expected_rows
+
+
+def test_tied_embeddings_stay_one_parameter_owned_by_the_root() -> None:
+    results = run_on_ranks(_dense_parity, 4, (4,), 67, True)
+    for result in results:
+        result.check()
+        assert result.extra["tied"], "lm_head and embed_tokens no longer share their weight after training"
+        assert result.extra["embed_owners_in_root"] == 1
+        assert result.extra["units"] == ["", "model.layers.0", "model.layers.1"]
