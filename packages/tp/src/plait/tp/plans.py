@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -150,9 +151,16 @@ def llama_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Parall
 
 
 def _rotary_needs_style(base: nn.Module) -> bool:
-    """Hugging Face rotary modules only read dtype/device from the hidden state: they need no style."""
+    """Whether the rotary module must see the whole sequence under SP.
+
+    A ``forward(x, position_ids)`` (the Hugging Face contract) takes the positions explicitly and only
+    reads dtype/device from ``x``: it needs no style. Any other rotary module may derive positions
+    from the (sequence-sharded) hidden state and gets ``RotaryEmbeddingParallel``.
+    """
     rotary = getattr(base, "rotary_emb", None)
-    return isinstance(rotary, nn.Module) and not type(rotary).__module__.startswith("transformers.")
+    if not isinstance(rotary, nn.Module):
+        return False
+    return "position_ids" not in inspect.signature(rotary.forward).parameters
 
 
 _NAMED_PLANS: dict[str, PlanFactory] = {}
