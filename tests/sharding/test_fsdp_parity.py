@@ -12,7 +12,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from plait.sharding import apply_fsdp_sharding, fully_shard_root, fully_shard_untied_embeddings
+from plait.sharding import (
+    apply_activation_checkpointing,
+    apply_fsdp_sharding,
+    discover_layer_groups,
+    fully_shard_root,
+    fully_shard_untied_embeddings,
+)
 from plait.testing import run_on_ranks
 from plait.testing.models import DecoderConfig, DenseDecoder
 from tests.sharding._parity import Parity, run_parity, token_batches
@@ -101,3 +107,28 @@ def test_tied_embeddings_stay_one_parameter_owned_by_the_root() -> None:
         assert result.extra["tied"], "lm_head and embed_tokens no longer share their weight after training"
         assert result.extra["embed_owners_in_root"] == 1
         assert result.extra["units"] == ["", "model.layers.0", "model.layers.1"]
+
+
+def _checkpointed_then_sharded(model: nn.Module, mesh: DeviceMesh, mode: str) -> nn.Module:
+    groups = discover_layer_groups(model)
+    assert [(g.kind, g.path) for g in groups] == [("language", "model.layers")]
+    assert apply_activation_checkpointing(model, groups, mode=mode) > 0  # AC after TP, before FSDP
+    return _shard_dense(model, mesh)
+
+
+def _ac_parity(mode: str) -> Parity:
+    mesh = _mesh((dist.get_world_size(),))
+    return run_parity(
+        partial(_decoder, 64, False),
+        partial(_checkpointed_then_sharded, mesh=mesh, mode=mode),
+        token_batches(64, dist.get_world_size()),
+        dist.get_rank(),
+        _structure,
+    )
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_under_fsdp_matches_reference(mode: str) -> None:
+    for result in run_on_ranks(_ac_parity, 2, mode):
+        result.check()
+        assert "model.layers.1" in result.extra["units"]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from plait.sharding import LayerGroup, discover_layer_groups
+from plait.sharding import LayerGroup, apply_activation_checkpointing, discover_layer_groups
+from plait.testing.models import DecoderConfig, DenseDecoder, TinyVLM
 
 
 class _Layer(nn.Module):
@@ -83,3 +85,15 @@ def test_a_model_without_layer_container_is_an_error_naming_its_class() -> None:
 
     with pytest.raises(ValueError, match="FlatNet has no layer container"):
         discover_layer_groups(FlatNet())
+
+
+def test_shared_models_groups_and_per_submodule_roles() -> None:
+    vlm = TinyVLM()
+    groups = discover_layer_groups(vlm)
+    assert _summary(groups) == [("vision", "visual.blocks", 2), ("language", "language_model.layers", 2)]
+    assert apply_activation_checkpointing(vlm, groups, scope="vision") == 8  # norm1, attn, norm2, mlp x 2
+    assert vlm.config.use_cache is False
+    wrapped = sorted(f for f, m in vlm.named_modules() if isinstance(m, CheckpointWrapper))
+    assert wrapped == [f"visual.blocks.{i}.{r}" for i in range(2) for r in ("attn", "mlp", "norm1", "norm2")]
+    decoder = DenseDecoder(DecoderConfig())
+    assert _summary(discover_layer_groups(decoder)) == [("language", "model.layers", 2)]
