@@ -229,6 +229,11 @@ def test_per_submodule_wraps_each_role_once_and_skips_wrapped() -> None:
     assert not isinstance(layer.dropout, CheckpointWrapper)
     assert apply_activation_checkpointing(model, discover_layer_groups(model)) == 0
     assert count == 8
+    _, whole, _ = _checkpointed(2, whole_layer=True)
+    assert apply_activation_checkpointing(whole, discover_layer_groups(whole), mode=True) == 0
+    assert not any(
+        isinstance(m, CheckpointWrapper) for m in whole.layers[0]._checkpoint_wrapped_module.children()
+    )
 
 
 def _wrapped_paths(model: nn.Module) -> set[str]:

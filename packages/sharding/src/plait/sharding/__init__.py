@@ -1,5 +1,6 @@
 """FSDP2 units, prefetch, embeddings, frozen multimodal towers and activation checkpointing."""
 
+from plait.sharding._walk import UnitCandidate
 from plait.sharding.checkpointing import SUBMODULE_ROLES, apply_activation_checkpointing
 from plait.sharding.embeddings import (
     fully_shard_untied_embeddings,
@@ -23,6 +24,7 @@ __all__ = [
     "SUBMODULE_ROLES",
     "TOWER_NAMES",
     "LayerGroup",
+    "UnitCandidate",
     "apply_activation_checkpointing",
     "apply_fsdp_sharding",
     "classify_path",

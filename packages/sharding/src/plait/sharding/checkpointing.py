@@ -78,7 +78,7 @@ def apply_activation_checkpointing(
     model: nn.Module,
     groups: Sequence[LayerGroup],
     *,
-    mode: CheckpointMode = "full",
+    mode: CheckpointMode | bool = "full",
     scope: str | Iterable[str] = ("all",),
     whole_layer: bool = False,
     save_ops: Iterable[Any] | None = None,
@@ -98,7 +98,7 @@ def apply_activation_checkpointing(
     Args:
         model: The model owning ``groups``.
         groups: From :func:`discover_layer_groups`.
-        mode: ``full`` or ``selective``.
+        mode: ``full`` (or True) or ``selective``.
         scope: ``all``, ``language``, ``vision``, ``audio``, ``multimodal`` (vision + audio), or several.
         whole_layer: Full mode only: wrap layers whole instead of per submodule.
         save_ops: Extra ops whose outputs are saved rather than recomputed.
@@ -109,6 +109,8 @@ def apply_activation_checkpointing(
     Raises:
         ValueError: for an unknown mode or scope.
     """
+    if mode is True:
+        mode = "full"
     if mode not in ("full", "selective"):
         raise ValueError(f"Activation checkpointing mode must be 'full' or 'selective', got {mode!r}.")
     kinds = frozenset().union(*(_SCOPE_KINDS[name] for name in normalize_ac_scope(scope)))
@@ -125,13 +127,13 @@ def apply_activation_checkpointing(
             if not any(p.requires_grad for p in layer.parameters()):
                 continue
             selected += 1
+            if isinstance(layer, CheckpointWrapper):
+                continue
             if mode == "full" and not whole_layer:
                 wrapped_children = _checkpoint_submodules(layer, context_fn)
                 if wrapped_children is not None:
                     count += wrapped_children
                     continue
-            if isinstance(layer, CheckpointWrapper):
-                continue
             group.layers[index] = _wrap(layer, context_fn)
             _replace_layer(container, layer, group.layers[index])
             count += 1

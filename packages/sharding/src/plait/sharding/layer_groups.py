@@ -17,7 +17,7 @@ LayerGroupPaths = Mapping[str, str | Sequence[str]] | Sequence[str | Sequence[st
 
 _KINDS: tuple[str, ...] = ("language", "vision", "audio")
 _AUDIO_TOKENS = frozenset(name for name in TOWER_NAMES if "audio" in name) | {"audio"}
-_VISION_TOKENS = (TOWER_NAMES - _AUDIO_TOKENS) | {"vision_tower", "visual", "vision"}
+_VISION_TOKENS = TOWER_NAMES - _AUDIO_TOKENS
 
 
 @dataclass
