@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -32,8 +32,12 @@ def global_batch(vocab: int, world: int, per_rank: int = 2, seq: int = 8, seed: 
     return torch.randint(0, vocab, (world * per_rank, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def local_rows(batch: torch.Tensor) -> torch.Tensor:
-    rank, world = dist.get_rank(), dist.get_world_size()
+def local_rows(
+    batch: torch.Tensor, data_rank: int | None = None, data_ranks: int | None = None
+) -> torch.Tensor:
+    """This rank's rows: one equal slice per data-parallel rank (default: every rank is one)."""
+    rank = dist.get_rank() if data_rank is None else data_rank
+    world = dist.get_world_size() if data_ranks is None else data_ranks
     per_rank = batch.shape[0] // world
     return batch[rank * per_rank : (rank + 1) * per_rank]
 
@@ -69,11 +73,16 @@ class Parity:
 
 
 def _steps(
-    ref: nn.Module, par: nn.Module, batch: torch.Tensor, opt: Callable[..., torch.optim.Optimizer], n: int
-):
+    ref: nn.Module,
+    par: nn.Module,
+    batch: torch.Tensor,
+    rows: Callable[[torch.Tensor], torch.Tensor],
+    opt: Callable[..., torch.optim.Optimizer],
+    n: int,
+) -> Iterator[float]:
     ref_opt, par_opt = opt(ref.parameters()), opt(par.parameters())
     for _ in range(n):
-        ref_loss, par_loss = lm_loss(ref, batch), lm_loss(par, local_rows(batch))
+        ref_loss, par_loss = lm_loss(ref, batch), lm_loss(par, rows(batch))
         ref_loss.backward()
         par_loss.backward()
         yield abs(mean_over_ranks(par_loss) - ref_loss.item())
@@ -83,20 +92,27 @@ def _steps(
         par_opt.zero_grad()
 
 
-def run_parity(build: Build, vocab: int, strip_ddp: bool = False) -> Parity:
+def run_parity(
+    build: Build,
+    vocab: int,
+    strip_ddp: bool = False,
+    data_ranks: int | None = None,
+    rows: Callable[[torch.Tensor], torch.Tensor] = local_rows,
+) -> Parity:
     """Loss + every gradient of step 1, parameters after 2 SGD steps, losses over 3 AdamW steps.
 
-    The reference sees the whole global batch; rank r's parallel model sees its rows; the parallel
-    loss is averaged over ranks (equal rows per rank, so it equals the reference's mean).
+    The reference sees the whole global batch (2 rows per data-parallel rank); each parallel rank
+    sees ``rows(batch)``; the parallel loss is averaged over all ranks (equal rows per data rank and
+    identical losses on ranks sharing data, so it equals the reference's mean).
     """
-    batch = global_batch(vocab, dist.get_world_size())
+    batch = global_batch(vocab, data_ranks or dist.get_world_size())
     ref, par = build()
     result = Parity(loss_diff=0.0)
-    for step, loss_diff in enumerate(_steps(ref, par, batch, lambda p: torch.optim.SGD(p, lr=0.5), 2)):
+    for step, loss_diff in enumerate(_steps(ref, par, batch, rows, lambda p: torch.optim.SGD(p, lr=0.5), 2)):
         result.loss_diff = max(result.loss_diff, loss_diff)
         if step == 0:
             result.grad_diff, result.worst_grad = max_grad_diff(ref, par, strip_ddp=strip_ddp)
     result.param_diff, result.worst_param = max_param_diff(ref, par, strip_ddp=strip_ddp)
     ref, par = build()
-    result.adamw_loss_diff = max(_steps(ref, par, batch, lambda p: torch.optim.AdamW(p, lr=1e-2), 3))
+    result.adamw_loss_diff = max(_steps(ref, par, batch, rows, lambda p: torch.optim.AdamW(p, lr=1e-2), 3))
     return result

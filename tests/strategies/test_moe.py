@@ -126,3 +126,33 @@ def test_ep_shard_up_to_local_experts_shards_experts_on_dim0() -> None:
     placements = run_on_ranks(_experts_placements, 4, 2, SKEWED)[0]
     # dim 0 is also the ep dim, so FSDP's dim-0 shard of the ep-local experts shows as a strided shard.
     assert placements and all(re.match(r"\((_Strided)?Shard\(dim=0", p) for p in placements), placements
+
+
+_TP_PLAN = {
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+}
+
+
+def _tp_ep_parity() -> Parity:
+    # tp=2 x dp=2 on 4 ranks, ep=2 across them: TP ranks share data and dispatch duplicate tokens.
+    cfg = SKEWED
+    config = FSDP2Config(mp_policy=None, tp_plan=_TP_PLAN)
+
+    def build() -> tuple[torch.nn.Module, torch.nn.Module]:
+        clear_dtensor_caches()
+        torch.manual_seed(0)
+        ref = MoEDecoder(cfg)
+        ctx = MeshContext.build(config, ParallelismSizes(tp_size=2, ep_size=2))
+        par = parallelize_moe(copy.deepcopy(ref), ctx.device_mesh, ctx.moe_mesh, strategy_config=config)
+        return ref, par
+
+    data_rank = torch.distributed.get_rank() // 2
+    return run_parity(build, cfg.vocab_size, data_ranks=2, rows=lambda b: local_rows(b, data_rank, 2))
+
+
+def test_tensor_and_expert_parallel_together_match_reference() -> None:
+    for r in run_on_ranks(_tp_ep_parity, 4):
+        r.check()
