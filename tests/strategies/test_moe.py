@@ -8,9 +8,10 @@ import re
 import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import CheckpointError
 
-from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
+from plait.mesh import FSDP2Config, MeshContext, MoEConfig, ParallelismSizes
 from plait.sharding import apply_activation_checkpointing, discover_layer_groups
 from plait.strategies import parallelize_moe
 from plait.strategies._routing_ac import save_routing_under_checkpoint
@@ -156,3 +157,27 @@ def _tp_ep_parity() -> Parity:
 def test_tensor_and_expert_parallel_together_match_reference() -> None:
     for r in run_on_ranks(_tp_ep_parity, 4):
         r.check()
+
+
+def _unwrapped_outer_parity() -> tuple[Parity, bool, bool]:
+    moe = MoEConfig(wrap_outer_model=False, lm_head_precision=torch.float32)
+
+    def build() -> tuple[torch.nn.Module, torch.nn.Module]:
+        clear_dtensor_caches()
+        torch.manual_seed(0)
+        ref = MoEDecoder(SKEWED)
+        ctx = MeshContext.build(_FP32, ParallelismSizes(ep_size=2))
+        par = parallelize_moe(
+            copy.deepcopy(ref), ctx.device_mesh, ctx.moe_mesh, strategy_config=_FP32, moe_config=moe
+        )
+        return ref, par
+
+    _, par = build()
+    root_is_unit, head_is_unit = isinstance(par, FSDPModule), isinstance(par.lm_head, FSDPModule)
+    return run_parity(build, SKEWED.vocab_size), root_is_unit, head_is_unit
+
+
+def test_outer_model_left_unwrapped_with_own_lm_head_unit() -> None:
+    for parity, root_is_unit, head_is_unit in run_on_ranks(_unwrapped_outer_parity, 4):
+        parity.check()
+        assert not root_is_unit and head_is_unit
