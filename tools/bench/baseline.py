@@ -67,7 +67,8 @@ def _gather_hidden_states(*, hf_call: bool) -> PrepareModuleInput:
             input_kwarg_layouts={"hidden_states": Shard(1)},
             desired_input_kwarg_layouts={"hidden_states": Replicate()},
         )
-    return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    # plait.testing's DenseDecoder: ``self_attn(hidden_states, position_embeddings)``.
+    return PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
 
 
 def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
