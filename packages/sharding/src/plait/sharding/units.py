@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 
 from torch import nn
@@ -161,5 +162,14 @@ def fully_shard_root(
     )
     root = wrapped if isinstance(wrapped, nn.Module) else model
     if isinstance(root, FSDPModule) and _trainable_multimodal_in_root(root):
-        root.set_reduce_scatter_unused_params(True, recurse=False)
+        if hasattr(root, "set_reduce_scatter_unused_params"):
+            root.set_reduce_scatter_unused_params(True, recurse=False)
+        else:
+            warnings.warn(
+                "This torch has no FSDPModule.set_reduce_scatter_unused_params: steps in which ranks see "
+                "different modalities (a rank skipping the trainable projector) will fail in reduce-scatter. "
+                "Upgrade torch, or give every rank the same modalities each step.",
+                UserWarning,
+                stacklevel=2,
+            )
     return root
