@@ -112,7 +112,9 @@ def _vocab_parallel_forward(
         )
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
     else:
-        out = local_weight.new_zeros((*ids.shape, module.embedding_dim))
+        # An empty slice (more ranks than rows): zeros, still attached to the weight so that every rank
+        # records the same backward collectives.
+        out = local_weight.new_zeros((*ids.shape, module.embedding_dim)) + local_weight.sum()
     partial_out = DTensor.from_local(out, mesh, [Partial()], run_check=False)
     result = partial_out.redistribute(placements=[style.output_layouts])
     return result.to_local() if style.use_local_output else result
