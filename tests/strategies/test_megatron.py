@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from plait.mesh import MegatronFSDPConfig, MeshContext, ParallelismSizes
@@ -383,3 +384,13 @@ def _gpu_parity(rank: int) -> None:
                 o.zero_grad()
     finally:
         dist.destroy_process_group()
+
+
+def test_mesh_without_dp_axis_is_rejected(calls: list[dict[str, Any]], fake_pg: Any) -> None:
+    with fake_pg(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        with pytest.raises(
+            ValueError, match=r"dims from \('dp', 'cp', 'tp'\) including 'dp', got \['dp_shard', 'tp'\]"
+        ):
+            parallelize_megatron_fsdp(_model(), MegatronFSDPConfig(), mesh)
+    assert not calls

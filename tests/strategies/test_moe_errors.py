@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
+from plait.mesh import FSDP2Config, MeshContext, MoEConfig, ParallelismSizes
 from plait.strategies import ExpertParallel, parallelize_moe
 from plait.testing.moe_models import GroupedExperts, MoEDecoder, MoEDecoderConfig
 
@@ -118,3 +118,21 @@ def test_experts_without_common_expert_dim_are_rejected(fake_pg: Any) -> None:
     model.model.layers[0].mlp.experts.w2 = nn.Parameter(torch.zeros(3, 4))
     with pytest.raises(ValueError, match=r"GroupedExperts does not follow the experts contract .*'w2': 3"):
         _moe(fake_pg, 4, model, FSDP2Config(mp_policy=None), ep_size=2)
+
+
+def test_unwrapped_outer_model_with_own_parameters_is_rejected(fake_pg: Any) -> None:
+    model = MoEDecoder(MoEDecoderConfig())
+    model.scale = nn.Parameter(torch.ones(1))
+    with fake_pg(4):
+        ctx = MeshContext.build(FSDP2Config(mp_policy=None), ParallelismSizes(ep_size=2))
+        with pytest.raises(
+            ValueError, match="wrap_outer_model=False, but MoEDecoder owns parameters directly"
+        ):
+            parallelize_moe(
+                model,
+                ctx.device_mesh,
+                ctx.moe_mesh,
+                strategy_config=FSDP2Config(mp_policy=None),
+                moe_config=MoEConfig(wrap_outer_model=False),
+            )
+    assert _untouched(model)

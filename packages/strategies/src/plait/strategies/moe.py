@@ -14,6 +14,7 @@ dense units' average, so each experts unit gets ``set_gradient_divide_factor(moe
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -159,6 +160,16 @@ def _shard_lm_head(model: nn.Module, moe_cfg: MoEConfig, mesh: DeviceMesh, shard
     head = head_getter() if callable(head_getter) else None
     if moe_cfg.lm_head_precision is None or head is None or isinstance(head, FSDPModule):
         return
+    embed_getter = getattr(model, "get_input_embeddings", None)
+    embed = embed_getter() if callable(embed_getter) else None
+    if embed is not None and getattr(embed, "weight", None) is getattr(head, "weight", None):
+        warnings.warn(
+            f"MoEConfig.lm_head_precision={moe_cfg.lm_head_precision} is ignored: the output head is tied to "
+            "the input embeddings, which stay in one FSDP unit",
+            UserWarning,
+            stacklevel=3,
+        )
+        return
     dtype = moe_cfg.lm_head_precision
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, output_dtype=dtype)
     shard_fn(head, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
@@ -175,11 +186,6 @@ def _shard_top(
     if moe_cfg.wrap_outer_model:
         return fully_shard_root(
             model, mesh, mp_policy=mp_policy, offload_policy=offload_policy, shard_fn=shard_fn
-        )
-    if any(True for _ in model.parameters(recurse=False)):
-        raise ValueError(
-            f"MoEConfig.wrap_outer_model=False, but {type(model).__name__} owns parameters directly; they "
-            "would never be sharded or synchronised — set wrap_outer_model=True"
         )
     for child in model.children():
         if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
@@ -252,6 +258,12 @@ def parallelize_moe(
         (validate_tp or validate_tp_mesh)(model, device_mesh["tp"])
         plan = _resolve_plan(model, cfg, tp_size, blocks, model_tp_plan, finalize_tp_plan)
     groups = discover_layer_groups(model, layer_group_paths) if ac_mode else []
+    if not moe_cfg.wrap_outer_model and any(True for _ in model.parameters(recurse=False)):
+        raise ValueError(
+            f"MoEConfig.wrap_outer_model=False, but {type(model).__name__} owns parameters directly; they "
+            "would never be sharded or synchronised — set wrap_outer_model=True"
+        )
+    guard_tied_embeddings(model)
 
     ctx = MeshContext.from_meshes(device_mesh, moe_mesh, strategy_config=cfg, moe_config=moe_cfg)
     if plan:
@@ -276,7 +288,6 @@ def parallelize_moe(
     offload_policy = cfg.offload_policy or OffloadPolicy()
     fsdp_mesh = ctx.fsdp_mesh()
     _shard_experts(blocks, ctx, moe_cfg, mp_policy, offload_policy, shard_fn)
-    guard_tied_embeddings(model)
     apply_fsdp_sharding(
         model,
         fsdp_mesh,
