@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 __all__ = ["RankFailure", "run_on_ranks"]
 
@@ -391,3 +392,6 @@ def _destroy_subgroups() -> None:
     for group in list(dist.distributed_c10d._world.pg_map):
         if group is not world:
             dist.destroy_process_group(group)
+    # Meshes compare equal by layout, so DTensor's sharding cache could hand a later call a mesh whose
+    # groups were just destroyed ("Could not resolve the process group").
+    _clear_sharding_prop_cache()
