@@ -167,3 +167,9 @@ def hf_model(kind: str, **kwargs: object) -> nn.Module:
 
 class UnregisteredLlama(transformers.LlamaForCausalLM):
     """An HF Llama under a class name no built-in plan is registered for: resolution reaches the HF plan."""
+
+
+class HeadlessPlanLlama(transformers.LlamaForCausalLM):
+    """An HF Llama whose TP plan leaves ``lm_head`` out (the head stays a plain replicated Linear)."""
+
+    _tp_plan = {}  # noqa: RUF012

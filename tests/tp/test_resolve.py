@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from plait.tp import (
     ReplicatedWithGradAllReduce,
     ReplicateParallel,
+    SequenceParallelAllGather,
     SequenceParallelNorm,
     VocabParallelEmbedding,
     hf_tp_plan,
@@ -20,7 +21,15 @@ from plait.tp import (
     register_tp_plan,
     resolve_tp_plan,
 )
-from tests.tp._models import ConfiguredLM, NestedPlanVLM, RemoteCodeLM, TinyLM, UnregisteredLlama, hf_config
+from tests.tp._models import (
+    ConfiguredLM,
+    HeadlessPlanLlama,
+    NestedPlanVLM,
+    RemoteCodeLM,
+    TinyLM,
+    UnregisteredLlama,
+    hf_config,
+)
 
 PLAN_DICT = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"}
 NOT_A_PLAN = 42
@@ -176,6 +185,13 @@ def test_hf_plan_translation_for_an_unregistered_hf_class() -> None:
     assert type(sp["model.layers.*.post_attention_layernorm"]) is SequenceParallelNorm
     assert sp["model.layers.*.self_attn.o_proj"].output_layouts == (Shard(1),)
     assert sp["lm_head"].input_layouts == (Shard(1),)
+
+
+def test_hf_sequence_parallel_without_head_in_plan_gathers_the_final_norm() -> None:
+    plan = hf_tp_plan(HeadlessPlanLlama(hf_config("llama")), True)
+    assert plan is not None and "lm_head" not in plan
+    assert type(plan["model.norm"]) is SequenceParallelAllGather
+    assert type(plan["model.layers.*.input_layernorm"]) is SequenceParallelNorm
 
 
 def test_hf_plan_with_embed_missing_is_completed() -> None:

@@ -17,6 +17,7 @@ from plait.tp.plans import _language_rank, find_decoder, model_embeddings, modul
 from plait.tp.styles import (
     ReplicatedWithGradAllReduce,
     ReplicateParallel,
+    SequenceParallelAllGather,
     SequenceParallelNorm,
     VocabParallelEmbedding,
     loss_parallel_head,
@@ -123,7 +124,11 @@ def _sequence_parallel(
                 f"cannot combine sequence_parallel with the Hugging Face TP plan entry {key!r} of "
                 f"{type(model).__name__}; set sequence_parallel=False or pass tp_plan="
             )
-    return _add_norms(out, base_fqn, base, sequence_parallel=True)
+    norms = _add_norms(out, base_fqn, base, sequence_parallel=True)
+    final = f"{prefix}norm"
+    if head not in out and isinstance(norms.get(final), SequenceParallelNorm):
+        norms[final] = SequenceParallelAllGather()  # the head is not in the plan: give it the full sequence
+    return norms
 
 
 def _add_norms(
