@@ -1,0 +1,121 @@
+"""Strategy dispatch for one sidecar: MoE, FSDP2 (sharded or unsharded), DDP or Megatron-FSDP."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from plait.mesh import DDPConfig, FSDP2Config, MegatronFSDPConfig
+from plait.sharding import discover_layer_groups
+from plait.strategies import parallelize_ddp, parallelize_megatron_fsdp, parallelize_moe
+
+if TYPE_CHECKING:
+    from plait.mesh import MeshContext
+    from plait.sidecar.parallelizer import ModelParallelizer
+
+
+def _apply_model_parallelizer(
+    parallelizer: ModelParallelizer, model: nn.Module, mesh_context: MeshContext
+) -> nn.Module:
+    """Run the strategy ``mesh_context`` asks for, with ``parallelizer``'s hooks; return the model."""
+    config = mesh_context.strategy_config
+    if mesh_context.ep_size > 1:
+        return _parallelize_moe(model, mesh_context, parallelizer)
+    if isinstance(config, FSDP2Config):
+        return _parallelize_fsdp2(model, mesh_context, parallelizer)
+    if isinstance(config, DDPConfig):
+        return _parallelize_ddp(model, mesh_context, parallelizer)
+    if isinstance(config, MegatronFSDPConfig):
+        return _parallelize_megatron_fsdp(model, mesh_context, parallelizer)
+    raise TypeError(
+        f"parallelize_model does not support strategy_config={config!r} ({type(config).__name__}); "
+        "use FSDP2Config, DDPConfig or MegatronFSDPConfig from plait.mesh."
+    )
+
+
+def _parallelize_fsdp2(
+    model: nn.Module, mesh_context: MeshContext, parallelizer: ModelParallelizer
+) -> nn.Module:
+    if mesh_context.device_mesh is None:
+        raise ValueError(
+            "FSDP2 needs mesh_context.device_mesh, got None; build the context with "
+            "MeshContext.build(FSDP2Config(...), sizes) or MeshContext.from_meshes(device_mesh)."
+        )
+    if mesh_context.fsdp_mesh().size() == 1 and mesh_context.tp_size == 1:
+        return _parallelize_unsharded_fsdp2(model, mesh_context, parallelizer)
+    return parallelizer._apply(model, mesh_context)
+
+
+def _parallelize_unsharded_fsdp2(
+    model: nn.Module, mesh_context: MeshContext, parallelizer: ModelParallelizer
+) -> nn.Module:
+    """One data-parallel rank and no TP: nothing to shard, so only checkpointing and trainability."""
+    if mesh_context.activation_checkpointing:
+        groups = discover_layer_groups(model, parallelizer.layer_group_paths)
+        parallelizer._checkpoint_activations(model, groups, mesh_context)
+    if mesh_context.reapply_trainability is not None:
+        mesh_context.reapply_trainability(model)
+    return model
+
+
+def _parallelize_ddp(
+    model: nn.Module, mesh_context: MeshContext, parallelizer: ModelParallelizer
+) -> nn.Module:
+    return parallelize_ddp(
+        model,
+        mesh_context.strategy_config,
+        activation_checkpointing=mesh_context.activation_checkpointing,
+        reapply_trainability=mesh_context.reapply_trainability,
+        layer_group_paths=parallelizer.layer_group_paths,
+        whole_layer_checkpointing=parallelizer._use_full_layer_activation_checkpointing(model),
+    )
+
+
+def _parallelize_megatron_fsdp(
+    model: nn.Module, mesh_context: MeshContext, parallelizer: ModelParallelizer
+) -> nn.Module:
+    if mesh_context.device_mesh is None:
+        raise ValueError(
+            "Megatron-FSDP needs mesh_context.device_mesh, got None; build the context with "
+            "MeshContext.build(MegatronFSDPConfig(...), sizes)."
+        )
+    return parallelize_megatron_fsdp(
+        model,
+        mesh_context.strategy_config,
+        mesh_context.device_mesh,
+        activation_checkpointing=mesh_context.activation_checkpointing,
+        reapply_trainability=mesh_context.reapply_trainability,
+        model_tp_plan=parallelizer.tp_plan,
+        finalize_tp_plan=parallelizer._finalize_tp_plan,
+        validate_tp=parallelizer._validate_tp_mesh,
+        layer_group_paths=parallelizer.layer_group_paths,
+        whole_layer_checkpointing=parallelizer._use_full_layer_activation_checkpointing(model),
+    )
+
+
+def _parallelize_moe(
+    model: nn.Module, mesh_context: MeshContext, parallelizer: ModelParallelizer
+) -> nn.Module:
+    config = mesh_context.strategy_config
+    if not isinstance(config, FSDP2Config) or mesh_context.device_mesh is None:
+        raise TypeError(
+            f"expert parallelism (ep_size={mesh_context.ep_size}) needs FSDP2Config and a device mesh, got "
+            f"{type(config).__name__} with device_mesh={mesh_context.device_mesh!r}; use "
+            "MeshContext.build(FSDP2Config(...), ParallelismSizes(ep_size=...))."
+        )
+    return parallelize_moe(
+        model,
+        mesh_context.device_mesh,
+        mesh_context.moe_mesh,
+        strategy_config=config,
+        moe_config=mesh_context.moe_config,
+        activation_checkpointing=mesh_context.activation_checkpointing,
+        reapply_trainability=mesh_context.reapply_trainability,
+        model_tp_plan=parallelizer.tp_plan,
+        finalize_tp_plan=parallelizer._finalize_tp_plan,
+        validate_tp=parallelizer._validate_tp_mesh,
+        layer_group_paths=parallelizer.layer_group_paths,
+        whole_layer_checkpointing=parallelizer._use_full_layer_activation_checkpointing(model),
+        shard_fn=parallelizer._fully_shard_module,
+    )

@@ -1,0 +1,92 @@
+"""Which sidecar parallelizes a model: class attribute, then registry, then the shared default."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from plait.sidecar.parallelizer import ModelParallelizer
+
+if TYPE_CHECKING:
+    from plait.mesh import MeshContext
+
+__all__ = ["get_model_parallelizer", "parallelize_model", "register_model_parallelizer"]
+
+_DEFAULT_PARALLELIZER = ModelParallelizer()
+_REGISTRY: dict[str, Any] = {}
+
+
+def register_model_parallelizer(class_name: str, parallelizer: ModelParallelizer | str) -> None:
+    """Register the sidecar for models whose class is ``class_name``.
+
+    Args:
+        class_name: Qualified (``"pkg.mod.Class"``) or bare (``"Class"``) class name; the qualified
+            entry wins when both match.
+        parallelizer: A sidecar instance, or a lazy ``"pkg.mod:ATTR"`` path to one (or to a sidecar
+            class, instantiated with no arguments), imported on first use.
+
+    Raises:
+        TypeError / ValueError: for a non-string name, an empty name, or a malformed path.
+    """
+    if not isinstance(class_name, str) or not class_name.strip():
+        raise TypeError(f"class_name must be a non-empty class name string, got {class_name!r}")
+    if isinstance(parallelizer, str):
+        module, sep, attr = parallelizer.partition(":")
+        if not (sep and module and attr):
+            raise ValueError(
+                f"parallelizer path {parallelizer!r} must look like 'pkg.module:ATTR' (a sidecar instance or class)"
+            )
+    _REGISTRY[class_name] = parallelizer
+
+
+def get_model_parallelizer(model: nn.Module) -> ModelParallelizer:
+    """Return the sidecar for ``model``.
+
+    Resolution order: the class attribute ``parallelizer`` (inherited from base classes too); else
+    the registry entry for the class's qualified name, then its bare name; else the shared default
+    ``ModelParallelizer()``. A sidecar class (rather than an instance) is instantiated.
+
+    Raises:
+        TypeError: when the resolved object has no callable ``parallelize``.
+        ImportError / AttributeError: when a registered ``"pkg.mod:ATTR"`` path does not import.
+    """
+    cls = type(model)
+    candidate = getattr(cls, "parallelizer", None)
+    source = f"{cls.__qualname__}.parallelizer"
+    if candidate is None:
+        for key in (f"{cls.__module__}.{cls.__qualname__}", cls.__name__):
+            if key in _REGISTRY:
+                candidate, source = _load(key), f"register_model_parallelizer({key!r}, ...)"
+                break
+    if candidate is None:
+        return _DEFAULT_PARALLELIZER
+    if not callable(getattr(candidate, "parallelize", None)):
+        raise TypeError(
+            f"{source} for model class {cls.__qualname__} is {candidate!r} ({type(candidate).__name__}), "
+            "which has no callable parallelize(model, mesh_context); use an instance of "
+            "plait.sidecar.ModelParallelizer or a subclass of it."
+        )
+    return candidate() if isinstance(candidate, type) else candidate
+
+
+def parallelize_model(model: nn.Module, mesh_context: MeshContext) -> nn.Module:
+    """Apply every parallelism ``mesh_context`` requests through the model's sidecar; return the model.
+
+    The returned model trains correctly with a plain loop (forward, loss, backward, optimizer step):
+    no gradient synchronisation or rescaling is left to the caller.
+    """
+    return get_model_parallelizer(model).parallelize(model, mesh_context)
+
+
+def _load(key: str) -> Any:
+    """Return the registry entry for ``key``, importing (once) a lazy ``"pkg.mod:ATTR"`` path."""
+    entry = _REGISTRY[key]
+    if isinstance(entry, str):
+        module, _, attr = entry.partition(":")
+        entry = getattr(importlib.import_module(module), attr)
+        if isinstance(entry, type) and callable(getattr(entry, "parallelize", None)):
+            entry = entry()
+        _REGISTRY[key] = entry
+    return entry
