@@ -12,7 +12,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from plait.mesh import DDPConfig, FSDP2Config, MeshContext, MoEConfig, ParallelismSizes
+from plait.mesh import DDPConfig, FSDP2Config, MegatronFSDPConfig, MeshContext, MoEConfig, ParallelismSizes
 from plait.sidecar import parallelize_model
 from plait.testing import run_on_ranks
 from plait.testing.models import DecoderConfig, DenseDecoder
@@ -78,6 +78,18 @@ def test_ddp_matches_reference() -> None:
     results = run_on_ranks(_ddp, 2)
     assert_parity(results)
     assert all(r.extra["ddp"] and r.extra["checkpointed"] == 8 for r in results), results
+
+
+def _megatron_tp_only() -> Parity:
+    ctx = MeshContext.build(MegatronFSDPConfig(), ParallelismSizes(tp_size=2))
+    return run_parity("megatron/tp2", _dense, ctx, VOCAB, inspect=_summary)
+
+
+def test_megatron_fsdp_dispatch_applies_tp_and_matches_reference() -> None:
+    # dp = 1: Megatron-FSDP has nothing to shard, so this runs without the megatron-fsdp package.
+    results = run_on_ranks(_megatron_tp_only, 2)
+    assert_parity(results)
+    assert all(r.extra["dtensors"] > 0 and not r.extra["fsdp"] for r in results), results
 
 
 def _moe_model() -> nn.Module:

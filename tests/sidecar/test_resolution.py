@@ -71,6 +71,17 @@ def test_registry_qualified_name_wins_over_bare_name_and_lazy_paths_import() -> 
     assert get_model_parallelizer(ByBareName()) is other
 
 
+class ByLazyClassPath(nn.Module):
+    pass
+
+
+def test_lazy_path_to_a_sidecar_class_is_instantiated_once() -> None:
+    register_model_parallelizer("ByLazyClassPath", f"{__name__}:OwnSidecar")
+    first = get_model_parallelizer(ByLazyClassPath())
+    assert type(first) is OwnSidecar
+    assert get_model_parallelizer(ByLazyClassPath()) is first
+
+
 def test_registry_does_not_override_the_class_attribute() -> None:
     register_model_parallelizer("WithAttribute", OwnSidecar())
     assert get_model_parallelizer(WithAttribute()) is OWN
