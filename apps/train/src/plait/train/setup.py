@@ -1,0 +1,135 @@
+"""From a recipe to a parallelized, materialised model: strategy config, sizes, mesh, model.
+
+Everything that can be checked without a process group is checked in :func:`check_recipe`, so a
+bad recipe fails on every rank (and in the local launcher) before any collective.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from plait.mesh import (
+    MeshContext,
+    MoEConfig,
+    ParallelismSizes,
+    StrategyConfig,
+    plan_meshes,
+    strategy_config_from_dict,
+)
+from plait.sidecar import compile_parallelized_model, parallelize_model
+from plait.train.config import Recipe
+from plait.train.data import TOKENIZER_VOCAB
+from plait.train.init import SafetensorsSource, clean_fqn, materialize
+from plait.train.models import build_model, model_vocab_size
+
+__all__ = [
+    "build_mesh_context",
+    "build_parallel_model",
+    "check_recipe",
+    "freeze_vision_tower",
+    "parallelism_sizes",
+    "strategy_config",
+]
+
+
+def strategy_config(recipe: Recipe) -> StrategyConfig:
+    """The plait.mesh strategy config of the recipe (``parallel.options`` read strictly by plait.mesh)."""
+    p = recipe.parallel
+    options = dict(p.options)
+    if p.strategy != "ddp":
+        options.setdefault("sequence_parallel", p.sequence_parallel and p.tp_size > 1)
+    if p.strategy == "fsdp2":
+        if p.mixed_precision == "fp32":
+            options.setdefault("mp_policy", None)
+        options.setdefault("enable_compile", p.compile)
+    elif p.mixed_precision != "fp32":
+        raise ValueError(
+            f"parallel.mixed_precision {p.mixed_precision!r} needs parallel.strategy 'fsdp2' "
+            f"(got {p.strategy!r}); use mixed_precision: fp32"
+        )
+    return strategy_config_from_dict(p.strategy, options)
+
+
+def parallelism_sizes(recipe: Recipe) -> ParallelismSizes:
+    """The recipe's sizes (``dp_size`` None = inferred from the world size)."""
+    p = recipe.parallel
+    return ParallelismSizes(
+        dp_size=p.dp_size, dp_replicate_size=p.dp_replicate_size, tp_size=p.tp_size, ep_size=p.ep_size
+    )
+
+
+def check_recipe(recipe: Recipe, world_size: int) -> StrategyConfig:
+    """Validate everything that needs no process group; return the strategy config.
+
+    Raises:
+        ValueError / TypeError: an impossible mesh for ``world_size``, a strategy option plait.mesh
+            rejects, expert parallel on a dense model, a model whose vocabulary cannot hold the tokens.
+    """
+    config = strategy_config(recipe)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan_meshes(config, parallelism_sizes(recipe), world_size=world_size)
+    if recipe.parallel.ep_size > 1 and recipe.model.source != "moe":
+        raise ValueError(
+            f"parallel.ep_size {recipe.parallel.ep_size} needs an MoE model (model.source: moe), "
+            f"got model.source {recipe.model.source!r}"
+        )
+    if recipe.model.source != "hf":
+        vocab = model_vocab_size(build_model(recipe.model, "meta"))
+        if vocab < TOKENIZER_VOCAB:
+            raise ValueError(
+                f"model vocab_size {vocab} is smaller than the byte tokenizer's {TOKENIZER_VOCAB} ids; "
+                f"set model.arch.vocab_size >= {TOKENIZER_VOCAB}"
+            )
+    return config
+
+
+def freeze_vision_tower(model: nn.Module) -> None:
+    """Re-freeze the VLM's ``visual`` tower after wrapping (``reapply_trainability`` hook)."""
+    for name, module in model.named_modules():
+        if clean_fqn(name) == "visual":
+            module.requires_grad_(False)
+
+
+def build_mesh_context(
+    recipe: Recipe, config: StrategyConfig, *, world_size: int | None = None
+) -> MeshContext:
+    """Build the meshes (a collective: every rank calls this)."""
+    p = recipe.parallel
+    freeze = recipe.model.source == "vlm" and recipe.model.freeze_vision
+    return MeshContext.build(
+        config,
+        parallelism_sizes(recipe),
+        world_size=world_size,
+        moe_config=MoEConfig() if p.ep_size > 1 else None,
+        activation_checkpointing=p.activation_checkpointing,
+        reapply_trainability=freeze_vision_tower if freeze else None,
+    )
+
+
+def build_parallel_model(
+    recipe: Recipe, ctx: MeshContext, device: torch.device, *, materialise: bool = True
+) -> nn.Module:
+    """Build the model (meta or CPU), parallelize it, and fill the weights.
+
+    With ``model.meta_init`` (and not DDP, which broadcasts real weights when it wraps) the model
+    is built on the meta device and only the local shards are allocated after parallelization.
+    ``materialise=False`` keeps a meta model meta (the ``plan`` dry run).
+    """
+    cfg = recipe.model
+    meta = (cfg.meta_init or not materialise) and recipe.parallel.strategy != "ddp"
+    source = SafetensorsSource(cfg.pretrained_path) if cfg.pretrained_path else None
+    seed = recipe.train.seed
+    model = build_model(cfg, "meta" if meta else "cpu")
+    if not meta:
+        materialize(model, seed=seed, device="cpu", source=source)
+        model.to(device)
+    model = parallelize_model(model, ctx)
+    if meta and materialise:
+        materialize(model, seed=seed, device=device, source=source)
+    if recipe.parallel.compile:
+        model = compile_parallelized_model(model, ctx)
+    return model
