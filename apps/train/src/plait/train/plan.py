@@ -1,0 +1,180 @@
+"""``plait-train plan``: a dry run on torch's fake process group — no ranks, no weights.
+
+The model is built on the meta device and parallelized exactly as in training, in one process
+that plays rank 0 of ``world_size`` ranks. The report reads the resulting shard layout: memory
+per rank (parameters, gradients, AdamW state, by dtype; rank 0 holds the largest ``torch.chunk``
+shard, so it is the maximum), the FSDP units, the TP placements, and an estimate of the bytes
+each rank sends per optimizer step. Activations are not included.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from plait.mesh import FSDP2Config, MeshContext
+from plait.train.config import Recipe
+from plait.train.setup import build_mesh_context, build_parallel_model, check_recipe
+from plait.train.summary import describe_mesh, format_bytes, layout_of, model_class_name, pattern_of
+
+__all__ = ["CommEstimate", "MAX_WORLD_SIZE", "comm_estimate", "plan"]
+
+MAX_WORLD_SIZE = 16_384
+
+
+def _bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def _unit_local_numel(model: nn.Module) -> dict[str, int]:
+    """Local elements each FSDP unit manages (its parameters minus those of nested units)."""
+    units = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    owned: Counter[str] = Counter()
+    for pname, param in model.named_parameters():
+        owner = max((u for u in units if u == "" or pname.startswith(u + ".")), key=len, default=None)
+        if owner is not None:
+            owned[owner] += (param.to_local() if isinstance(param, DTensor) else param).numel()
+    return {u or "<root>": owned[u] for u in units}
+
+
+@dataclass
+class CommEstimate:
+    """Bytes one rank sends per optimizer step, by collective."""
+
+    fsdp_all_gather: float = 0.0
+    fsdp_reduce_scatter: float = 0.0
+    hsdp_all_reduce: float = 0.0
+    ddp_all_reduce: float = 0.0
+    tp_activations: float = 0.0
+    ep_all_to_all: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(vars(self).values())
+
+    def text(self) -> str:
+        rows = [f"  {k}: {format_bytes(v)}" for k, v in vars(self).items() if v]
+        return "\n".join(
+            [f"communication per step (sent by one rank, estimate): {format_bytes(self.total)}", *rows]
+        )
+
+
+def _model_dims(model: nn.Module) -> tuple[int, int, int]:
+    config = getattr(model, "config", None)
+    text = getattr(config, "text_config", None) or config
+    return (
+        int(getattr(text, "hidden_size", 0)),
+        int(getattr(text, "num_hidden_layers", 0)),
+        int(getattr(text, "num_experts_per_tok", 0)),
+    )
+
+
+def comm_estimate(model: nn.Module, ctx: MeshContext, recipe: Recipe, world_size: int) -> CommEstimate:
+    """Estimate per-step traffic from the shard layout (ring collectives: (n-1)/n of the buffer)."""
+    est = CommEstimate()
+    cfg = ctx.strategy_config
+    accum = recipe.train.grad_accum
+    full_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if ctx.device_mesh is None:
+        est.ddp_all_reduce = 2 * (world_size - 1) / world_size * full_trainable * 4
+        return est
+    mp = getattr(cfg, "mp_policy", None)
+    gather_bytes = _bytes(mp.param_dtype) if mp is not None and mp.param_dtype is not None else 4
+    reduce_bytes = _bytes(mp.reduce_dtype) if mp is not None and mp.reduce_dtype is not None else 4
+    fsdp = ctx.fsdp_mesh() if isinstance(cfg, FSDP2Config) else None
+    if fsdp is not None and fsdp.size() > 1:
+        shard = fsdp.size(fsdp.ndim - 1)
+        replicas = fsdp.size(0) if fsdp.ndim == 2 else 1
+        units = _unit_local_numel(model)
+        shard_total = sum(units.values())
+        non_root = shard_total - units.get("<root>", 0)
+        # forward gathers every unit; backward re-gathers the units resharded after forward (all but the root).
+        gathers = (shard_total + non_root) * accum
+        est.fsdp_all_gather = (shard - 1) * gathers * gather_bytes
+        est.fsdp_reduce_scatter = (shard - 1) * shard_total * reduce_bytes
+        if replicas > 1:
+            est.hsdp_all_reduce = 2 * (replicas - 1) / replicas * shard_total * reduce_bytes
+    hidden, layers, top_k = _model_dims(model)
+    tokens = recipe.data.micro_batch_size * recipe.data.seq_len
+    act_bytes = 2 if recipe.parallel.mixed_precision == "bf16" else 4
+    activation = tokens * hidden * act_bytes
+    passes = 3 if ctx.activation_checkpointing else 2  # forward, backward (+ recompute)
+    if ctx.tp_size > 1:
+        t = ctx.tp_size
+        per_collective = (t - 1) / t * activation
+        # Per layer and pass: 2 all-gathers + 2 reduce-scatters with SP, or 2 all-reduces (each costs
+        # an all-gather + a reduce-scatter) without: the same 4 ring passes over the activation.
+        est.tp_activations = layers * passes * 4 * per_collective * accum
+    if ctx.ep_size > 1:
+        e = ctx.ep_size
+        est.ep_all_to_all = (
+            layers * passes * 2 * (e - 1) / e * tokens * max(top_k, 1) * hidden * act_bytes * accum
+        )
+    return est
+
+
+def _memory_text(model: nn.Module) -> str:
+    layout = layout_of(model)
+    lines = ["memory per rank (rank 0, the largest shard; activations not included):"]
+    total = 0.0
+    for what, counts, factor in (
+        ("parameters", layout.local_params, 1),
+        ("gradients", layout.local_trainable, 1),
+        ("optimizer (AdamW exp_avg + exp_avg_sq)", layout.local_trainable, 2),
+    ):
+        for dtype, n in counts.items():
+            size = n * factor * _bytes(dtype)
+            total += size
+            lines.append(
+                f"  {what}: {n * factor:,} x {str(dtype).removeprefix('torch.')} = {format_bytes(size)}"
+            )
+    lines.append(f"  total: {format_bytes(total)}")
+    units = _unit_local_numel(model)
+    if units:
+        biggest = max(units, key=lambda u: units[u])
+        lines.append(f"  largest FSDP unit: {pattern_of(biggest)} ({units[biggest]:,} local elements)")
+    return "\n".join(lines)
+
+
+def plan(recipe: Recipe, world_size: int) -> str:
+    """Parallelize the recipe's model on a fake ``world_size``-rank group and report its layout.
+
+    Raises:
+        ValueError: ``world_size`` out of range, a process group already running, or a bad recipe.
+    """
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"--world-size must be in [1, {MAX_WORLD_SIZE}], got {world_size}")
+    if dist.is_initialized():
+        raise ValueError("plan needs its own fake process group; run it outside a distributed job")
+    config = check_recipe(recipe, world_size)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    start = time.perf_counter()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        ctx = build_mesh_context(recipe, config, world_size=world_size)
+        if recipe.parallel.strategy == "ddp":
+            from plait.train.models import build_model
+
+            model = build_model(recipe.model, "meta")
+        else:
+            model = build_parallel_model(recipe, ctx, torch.device("meta"), materialise=False)
+        report = [
+            f"plan: recipe {recipe.name} on {world_size} ranks (fake process group, meta tensors)",
+            describe_mesh(ctx, world_size),
+            f"model {model_class_name(model)} ({recipe.model.source}, preset {recipe.model.preset})",
+            layout_of(model).text(),
+            _memory_text(model),
+            comm_estimate(model, ctx, recipe, world_size).text(),
+            f"planned in {time.perf_counter() - start:.1f} s",
+        ]
+    finally:
+        dist.destroy_process_group()
+    return "\n".join(report)
