@@ -83,3 +83,10 @@ def test_sampler_resumes_exactly_and_covers_each_epoch():
 def test_packed_dataset_length():
     assert len(PackedDataset(np.arange(33), 8)) == 4
     assert len(PackedDataset(np.arange(32), 8)) == 3
+
+
+def test_a_small_corpus_still_holds_out_one_document(tmp_path: Path):
+    for i in range(3):
+        (tmp_path / f"{i}.txt").write_text(f"text {i} " * 20)
+    corpus = load_corpus(DataConfig(source="files", paths=[str(tmp_path / "*.txt")], seq_len=8))
+    assert bytes(int(t) for t in corpus.val.tokens if t != EOS).decode() == "text 2 " * 20

@@ -3,7 +3,8 @@
 The built-in corpus is this Python's standard-library sources (``sysconfig.get_paths()["stdlib"]``,
 ``*.py``, sorted, without ``site-packages``), so it exists on every machine. Tokens are bytes
 (0-255) plus ``EOS`` after each document. Documents are split into train and validation by index
-(every k-th document is held out), each side concatenated and cut into ``seq_len + 1`` windows.
+(every k-th document is held out; the last one when there are fewer than k), each side
+concatenated and cut into ``seq_len + 1`` windows.
 
 The sampler walks one global order (a seeded permutation per epoch); each optimizer micro-step
 takes ``micro_batch_size * dp_size`` consecutive positions and data-parallel rank ``r`` keeps the
@@ -141,8 +142,9 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     """
     docs = read_documents(cfg)
     every = max(2, round(1 / cfg.val_fraction))
-    train = [encode(d) for i, d in enumerate(docs) if i % every != every - 1]
-    val = [encode(d) for i, d in enumerate(docs) if i % every == every - 1]
+    held_out = {i for i in range(len(docs)) if i % every == every - 1} or {len(docs) - 1}
+    train = [encode(d) for i, d in enumerate(docs) if i not in held_out]
+    val = [encode(d) for i, d in enumerate(docs) if i in held_out]
     corpus = Corpus(
         train=PackedDataset(np.concatenate(train) if train else np.zeros(0, np.int32), cfg.seq_len),
         val=PackedDataset(np.concatenate(val) if val else np.zeros(0, np.int32), cfg.seq_len),

@@ -2,9 +2,9 @@
 
 After FSDP2 + TP the gradients are DTensors on *different* meshes and placements (a TP-sharded
 projection on ``(dp_shard, tp)``, a norm on ``dp_shard`` only, plain tensors for an unsharded
-model). ``torch.nn.utils.clip_grad_norm_`` cannot combine those; here each group of equal
-``(mesh, placements)`` gets its norm (a reduction over exactly its shards), and the groups'
-squared norms are summed: the result equals the norm of the unsharded gradients.
+model). ``torch.nn.utils.clip_grad_norm_`` cannot combine those; here the squared local sums are
+summed over exactly the mesh dims each gradient is sharded on, and the groups' squares are added:
+the result equals the norm of the unsharded gradients.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.lr_scheduler import LambdaLR
 
 from plait.train.config import OptimConfig
@@ -57,25 +58,39 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_st
     return LambdaLR(optimizer, factor)
 
 
-def _group_key(grad: torch.Tensor) -> tuple[object, ...]:
-    if isinstance(grad, DTensor):
-        return (grad.device_mesh, tuple(grad.placements))
-    return (None, ())
+def _shard_dims(grad: torch.Tensor) -> tuple[object, tuple[int, ...]]:
+    """The mesh and the mesh dims a gradient is split over (its shards must be summed over them)."""
+    if not isinstance(grad, DTensor):
+        return None, ()
+    # Any placement that is neither replicated nor partial splits the tensor (Shard, _StridedShard, ...).
+    dims = tuple(i for i, p in enumerate(grad.placements) if not (p.is_replicate() or p.is_partial()))
+    return grad.device_mesh, dims
 
 
 def global_grad_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of all gradients as if unsharded (a plain fp32 scalar tensor, same on every rank)."""
-    groups: dict[tuple[object, ...], list[torch.Tensor]] = {}
+    """The L2 norm of all gradients as if unsharded (a plain fp32 scalar tensor, same on every rank).
+
+    Local squared sums are grouped by ``(mesh, split dims)`` and each group is all-reduced over
+    exactly the mesh dims its gradients are sharded on (never over replicas).
+    """
+    groups: dict[tuple[object, tuple[int, ...]], torch.Tensor] = {}
     for p in parameters:
-        if p.grad is not None:
-            groups.setdefault(_group_key(p.grad), []).append(p.grad)
+        if p.grad is None:
+            continue
+        grad = p.grad
+        if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
+            grad = grad.redistribute(
+                placements=[Replicate() if pl.is_partial() else pl for pl in grad.placements]
+            )
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        key = _shard_dims(grad)
+        square = local.detach().float().pow(2).sum()
+        groups[key] = groups[key] + square if key in groups else square
     total_sq = torch.zeros((), dtype=torch.float32)
-    for grads in groups.values():
-        norms = [torch.linalg.vector_norm(g, 2, dtype=torch.float32) for g in grads]
-        norm = torch.linalg.vector_norm(torch.stack(norms), 2)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        total_sq = total_sq + norm.detach().float().cpu() ** 2
+    for (mesh, dims), square in groups.items():
+        for dim in dims:
+            dist.all_reduce(square, group=mesh.get_group(dim))
+        total_sq = total_sq + square.cpu()
     return total_sq.sqrt()
 
 

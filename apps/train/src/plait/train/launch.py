@@ -1,0 +1,82 @@
+"""Start local ranks when not under a launcher: the same entry point under torch's elastic agent.
+
+``uv run apps/train`` without ``RANK``/``WORLD_SIZE`` re-runs itself as ``python -m plait.train``
+on ``nproc_per_node`` local ranks through ``torch.distributed.launcher.elastic_launch`` (the engine
+behind ``torchrun --standalone``): a free rendezvous port, restarts on failure when asked.
+Under ``torchrun`` nothing is launched; the launcher's ranks are used as they are.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["init_elastic_attempt", "launch_local", "under_launcher"]
+
+
+def under_launcher() -> bool:
+    """Whether this process is one rank of a launched job (``RANK`` or ``WORLD_SIZE`` set)."""
+    return "RANK" in os.environ or "WORLD_SIZE" in os.environ
+
+
+def launch_local(argv: list[str], *, nproc_per_node: int, max_restarts: int = 0) -> int:
+    """Run ``python -m plait.train <argv>`` on ``nproc_per_node`` local ranks; return an exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc_per_node,
+        run_id=f"plait-train-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=max_restarts,
+        monitor_interval=0.2,
+    )
+    try:
+        elastic_launch(config, sys.executable)("-u", "-m", "plait.train", *argv)
+    except ChildFailedError as err:
+        codes = sorted({f.exitcode for f in err.failures.values()})
+        print(f"plait-train: {len(err.failures)} rank(s) failed (exit codes {codes})", file=sys.stderr)
+        return next((c for c in codes if c > 0), 1)
+    return 0
+
+
+def init_elastic_attempt(backend: str) -> bool:
+    """Under torch's elastic agent, initialise the default group on a store private to this attempt.
+
+    The agent keeps one TCPStore across restarts and ``env://`` adds no per-attempt prefix, so the
+    ranks of a restarted job can read the previous attempt's gloo addresses and fail to connect
+    or hang. Prefixing the store with ``TORCHELASTIC_RESTART_COUNT`` keeps each attempt apart.
+    Returns False (nothing done) outside the elastic agent or when already initialised.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or dist.is_initialized() or "MASTER_ADDR" not in os.environ:
+        return False
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=rank == 0 and not agent_store,
+        timeout=timedelta(minutes=10),
+        multi_tenant=not agent_store,
+    )
+    kwargs = {}
+    if backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+    prefixed = dist.PrefixStore(f"plait/attempt_{restart}/", store)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size, **kwargs)
+    return True

@@ -1,0 +1,310 @@
+"""The training loop: distributed-correct loss, clipping, schedule, validation, checkpoints, metrics.
+
+Loss: each optimizer step sums the token losses of all its micro-batches on all data-parallel
+ranks and divides by the global count of target tokens (an all-reduce over ``dp_cp``). Data
+parallelism averages gradients over its ranks, so each rank back-propagates
+``local_sum * dp_cp_size / global_tokens``: the gradient is exactly that of the global token mean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import yaml
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from plait.mesh import DistributedInfo, MeshContext, StrategyConfig, init_distributed
+from plait.train.checkpoint import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
+from plait.train.config import Recipe, to_dict
+from plait.train.data import Corpus, GlobalSampler, PackedDataset, load_corpus, synthetic_images
+from plait.train.launch import init_elastic_attempt
+from plait.train.metrics import MetricsLogger, memory_mib
+from plait.train.models import hf_logits
+from plait.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from plait.train.setup import build_mesh_context, build_parallel_model, check_recipe
+from plait.train.summary import describe_mesh, layout_of, model_class_name
+
+__all__ = ["FAIL_AT_STEP_ENV", "SetupError", "Trainer", "run"]
+
+FAIL_AT_STEP_ENV = "PLAIT_TRAIN_FAIL_AT_STEP"
+"""Test hook: the last rank kills itself at this step on the first elastic attempt."""
+IGNORE_INDEX = -100
+
+
+def _is_vocab_sharded(logits: torch.Tensor) -> bool:
+    return isinstance(logits, DTensor) and any(
+        p.is_shard() and p.dim in (-1, logits.ndim - 1) for p in logits.placements
+    )
+
+
+def _loss_context(logits: torch.Tensor) -> contextlib.AbstractContextManager[None]:
+    return loss_parallel() if _is_vocab_sharded(logits) else contextlib.nullcontext()
+
+
+def _token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of token cross-entropies (call inside :func:`_loss_context`)."""
+    if isinstance(logits, DTensor) and not _is_vocab_sharded(logits):
+        logits = logits.full_tensor()
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
+    )
+
+
+def _scalar(t: torch.Tensor) -> float:
+    return float(t.full_tensor() if isinstance(t, DTensor) else t)
+
+
+class Trainer:
+    """One rank's training job; :meth:`fit` runs it to the end."""
+
+    def __init__(self, recipe: Recipe, config: StrategyConfig, info: DistributedInfo) -> None:
+        self.recipe = recipe
+        self.info = info
+        self.device = info.device
+        self.run_dir = Path(recipe.run_dir)
+        self.ckpt_root = self.run_dir / "checkpoints"
+        torch.manual_seed(recipe.train.seed)
+        self.ctx: MeshContext = build_mesh_context(recipe, config)
+        self.model = build_parallel_model(recipe, self.ctx, self.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.model, recipe.optim)
+        self.scheduler = build_scheduler(self.optimizer, recipe.optim, recipe.train.steps)
+        self._init_data_parallel()
+        self.corpus: Corpus = load_corpus(recipe.data)
+        self.sampler = GlobalSampler(
+            len(self.corpus.train),
+            recipe.data.micro_batch_size,
+            self.dp_rank,
+            self.dp_size,
+            seed=recipe.train.seed,
+            shuffle=recipe.data.shuffle,
+        )
+        self.logger = MetricsLogger(
+            self.run_dir / "metrics.jsonl",
+            total_steps=recipe.train.steps,
+            enabled=info.rank == 0,
+            log_every=recipe.train.log_every,
+        )
+        self.step = 0
+
+    def _init_data_parallel(self) -> None:
+        if self.ctx.device_mesh is None:
+            self.dp_rank, self.dp_size = self.info.rank, self.info.world_size
+            self.reduce_group, self.reduce_size = None, self.info.world_size
+            return
+        dp, dp_cp = self.ctx.dp_mesh(), self.ctx.dp_cp_mesh()
+        self.dp_rank, self.dp_size = dp.get_local_rank(), dp.size()
+        self.reduce_group, self.reduce_size = dp_cp.get_group(), dp_cp.size()
+
+    def _all_reduce(self, value: torch.Tensor) -> torch.Tensor:
+        if self.reduce_size > 1:
+            dist.all_reduce(value, group=self.reduce_group)
+        return value
+
+    # -- batches ------------------------------------------------------------------------------
+
+    def _batch(self, dataset: PackedDataset, indices: list[int]) -> dict[str, torch.Tensor]:
+        inputs, labels = dataset.batch(indices)
+        batch = {"input_ids": inputs.to(self.device), "labels": labels.to(self.device)}
+        if self.recipe.model.source == "vlm":
+            vision = self.model.config.vision_config
+            images = synthetic_images(indices, vision.num_channels, vision.image_size, self.recipe.train.seed)
+            batch["pixel_values"] = images.to(self.device)
+        return batch
+
+    def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        kwargs = {"pixel_values": batch["pixel_values"]} if "pixel_values" in batch else {}
+        return hf_logits(self.model(batch["input_ids"], **kwargs))
+
+    @contextlib.contextmanager
+    def _gradient_sync(self, enabled: bool) -> Iterator[None]:
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(enabled)
+            yield
+        elif not enabled and hasattr(self.model, "no_sync"):
+            with self.model.no_sync():
+                yield
+        else:
+            yield
+
+    # -- steps --------------------------------------------------------------------------------
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over ``grad_accum`` micro-batches; returns its metrics."""
+        start = time.perf_counter()
+        cfg = self.recipe.train
+        batches = [self._batch(self.corpus.train, self.sampler.next_indices()) for _ in range(cfg.grad_accum)]
+        local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+        global_tokens = float(self._all_reduce(torch.tensor([float(local_tokens)], device=self.device)))
+        scale = self.reduce_size / max(global_tokens, 1.0)
+        loss_sum = torch.zeros(1, device=self.device)
+        for i, batch in enumerate(batches):
+            with self._gradient_sync(i == len(batches) - 1):
+                logits = self._logits(batch)
+                with _loss_context(logits):
+                    token_loss = _token_loss_sum(logits, batch["labels"])
+                    (token_loss * scale).backward()
+            loss_sum += _scalar(token_loss.detach())
+        loss = float(self._all_reduce(loss_sum)) / max(global_tokens, 1.0)
+        grad_norm = clip_grad_norm(self.params, self.recipe.optim.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - start
+        return {
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "tokens_per_s": global_tokens / elapsed,
+            "mem_mib": memory_mib(self.device),
+        }
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """Mean token loss over the first ``val_batches`` micro-batches of the validation split."""
+        cfg, val = self.recipe, self.corpus.val
+        mbs = cfg.data.micro_batch_size
+        totals = torch.zeros(2, device=self.device)
+        for j in range(cfg.train.val_batches):
+            first = (j * self.dp_size + self.dp_rank) * mbs
+            batch = self._batch(val, [(first + i) % len(val) for i in range(mbs)])
+            logits = self._logits(batch)
+            with _loss_context(logits):
+                totals[0] += _scalar(_token_loss_sum(logits, batch["labels"]))
+            totals[1] += float((batch["labels"] != IGNORE_INDEX).sum())
+        totals = self._all_reduce(totals)
+        return float(totals[0] / totals[1].clamp_min(1.0))
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def _resume_path(self) -> Path | None:
+        ckpt = self.recipe.checkpoint
+        found = Path(ckpt.resume_from) if ckpt.resume_from else None
+        if found is None and ckpt.resume and self.info.rank == 0:
+            found = latest_checkpoint(self.ckpt_root)
+        choice = [str(found) if found else None]
+        dist.broadcast_object_list(choice, src=0)
+        return Path(choice[0]) if choice[0] else None
+
+    def resume(self) -> None:
+        """Restore model, optimizer, scheduler, data position and RNG from the chosen checkpoint."""
+        path = self._resume_path()
+        if path is None:
+            return
+        meta = load_checkpoint(path, self.model, self.optimizer)
+        self.scheduler.load_state_dict(meta["scheduler"])
+        self.sampler.load_state_dict(meta["data"])
+        self.step = int(meta["step"])
+        self.logger.event("resume", step=self.step, path=str(path))
+
+    def save(self) -> None:
+        """Save a checkpoint of the current step (all ranks)."""
+        extra = {"data": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict()}
+        path = save_checkpoint(
+            self.ckpt_root, self.step, self.model, self.optimizer, extra, keep=self.recipe.checkpoint.keep
+        )
+        self.logger.event("checkpoint", step=self.step, path=str(path))
+
+    # -- the job ------------------------------------------------------------------------------
+
+    def _summary(self) -> str:
+        layout = layout_of(self.model)
+        corpus = self.corpus
+        return "\n".join(
+            [
+                f"run {self.recipe.name} -> {self.run_dir}",
+                describe_mesh(self.ctx, self.info.world_size),
+                f"model {model_class_name(self.model)} ({self.recipe.model.source}, preset {self.recipe.model.preset})",
+                layout.text(),
+                f"data {self.recipe.data.source}: {corpus.num_documents} documents, {corpus.num_bytes:,} bytes, "
+                f"{len(corpus.train)} train / {len(corpus.val)} val sequences of {self.recipe.data.seq_len} tokens",
+                f"global batch {self.recipe.data.micro_batch_size * self.dp_size * self.recipe.train.grad_accum} "
+                f"sequences (micro {self.recipe.data.micro_batch_size} x dp {self.dp_size} x accum "
+                f"{self.recipe.train.grad_accum})",
+            ]
+        )
+
+    def _maybe_fail(self) -> None:
+        fail_at = os.environ.get(FAIL_AT_STEP_ENV)
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+        if (
+            fail_at
+            and first_attempt
+            and int(fail_at) == self.step
+            and self.info.rank == self.info.world_size - 1
+        ):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def fit(self) -> None:
+        """Resume if asked, train to ``train.steps``, validate, checkpoint, export."""
+        cfg, ckpt = self.recipe.train, self.recipe.checkpoint
+        if self.info.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "recipe.yaml").write_text(yaml.safe_dump(to_dict(self.recipe), sort_keys=False))
+        self.logger.info(self._summary())
+        self.resume()
+        while self.step < cfg.steps:
+            self.step += 1
+            self._maybe_fail()
+            self.logger.step(self.step, **self.train_step())
+            if (cfg.val_every and self.step % cfg.val_every == 0) or self.step == cfg.steps:
+                self.logger.validation(self.step, self.validate())
+            if ckpt.every and self.step % ckpt.every == 0:
+                self.save()
+        if ckpt.export:
+            path = export_safetensors(self.model, self.run_dir / "model.safetensors")
+            if path is not None:
+                self.logger.event("export", path=str(path))
+        self.logger.close()
+
+
+class SetupError(Exception):
+    """A recipe that fails while the job is being set up (mesh, model, data), raised on every rank."""
+
+
+def run(recipe: Recipe) -> None:
+    """Train ``recipe`` on this rank (under a launcher, or alone as a world of one).
+
+    Raises:
+        SetupError: the recipe is impossible (checked before any collective where possible).
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # DTensor logs a warning per multi-dim redistribute (e.g. full weights at export); keep the log readable.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    try:
+        config = check_recipe(recipe, world)
+        backend = _backend(recipe)
+    except (ValueError, TypeError) as err:
+        raise SetupError(str(err)) from err
+    init_elastic_attempt(backend)
+    info = init_distributed(backend=backend)
+    try:
+        try:
+            trainer = Trainer(recipe, config, info)
+        except (ValueError, TypeError) as err:
+            raise SetupError(str(err)) from err
+        trainer.fit()
+    finally:
+        dist.destroy_process_group()
+
+
+def _backend(recipe: Recipe) -> str:
+    wanted = recipe.train.device
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device 'cuda' but CUDA is not available; use train.device: auto or cpu")
+    if wanted == "cpu" or not torch.cuda.is_available() or torch.cuda.device_count() < local_world:
+        return "gloo"
+    return "nccl"

@@ -1,0 +1,165 @@
+"""The CLI end to end, as subprocesses on real gloo ranks: train, resume, fault restart, bad recipes, plan."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from plait.train.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = [
+    "model.arch.hidden_size=64",
+    "model.arch.intermediate_size=128",
+    "model.arch.num_hidden_layers=2",
+    "data.seq_len=32",
+    "data.micro_batch_size=2",
+    "data.max_bytes=100000",
+    "train.val_batches=1",
+]
+# Two ranks, FSDP2 sharding parameters and optimizer state; a checkpoint at step 3 of 6.
+RESUMABLE = [*SMALL, "parallel.tp_size=1", "train.steps=6", "train.val_every=0", "checkpoint.every=3"]
+
+
+def _sets(overrides: list[str]) -> list[str]:
+    return [arg for o in overrides for arg in ("--set", o)]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def _run(args: list[str], *, timeout: float = 240, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], cwd=REPO, env=_env(**env), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _torchrun(nproc: int, overrides: list[str], *extra: str, **env: str) -> subprocess.CompletedProcess[str]:
+    args = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *extra]
+    return _run([*args, "-m", "plait.train", *_sets(overrides)], **env)
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def _ok(proc: subprocess.CompletedProcess[str]) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def test_default_recipe_trains_on_four_self_launched_ranks(tmp_path: Path):
+    run_dir = tmp_path / "default"
+    overrides = [f"out_dir={run_dir}", "train.steps=8", "optim.warmup_steps=2", "checkpoint.every=0"]
+    proc = _run(["-m", "plait.train", *_sets(overrides)])
+    _ok(proc)
+    assert "dp_shard=2 x cp=1 x tp=2" in proc.stdout and "sp=on ac=full" in proc.stdout
+    losses = _losses(run_dir)
+    assert sorted(losses) == list(range(1, 9))
+    assert losses[8] < losses[1] - 0.3, losses
+    assert re.search(
+        r"step +8/8 \| loss [\d.]+ \| lr [\d.e+-]+ \| grad_norm [\d.]+ \| tok/s [\d,]+ \| mem", proc.stdout
+    )
+    assert "val_loss" in proc.stdout
+    assert (run_dir / "model.safetensors").is_file()
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted 6-step run on 2 ranks with checkpoints at steps 3 and 6."""
+    run_dir = tmp_path_factory.mktemp("baseline")
+    _ok(_torchrun(2, [*RESUMABLE, f"out_dir={run_dir}"]))
+    return run_dir
+
+
+def _same_weights(a: Path, b: Path) -> None:
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), key
+
+
+def test_resume_reproduces_the_uninterrupted_run_and_skips_half_written_checkpoints(
+    baseline: Path, tmp_path: Path
+):
+    run_dir = tmp_path / "resumed"
+    ckpts = run_dir / "checkpoints"
+    shutil.copytree(baseline / "checkpoints" / "step_00000003", ckpts / "step_00000003")
+    half = ckpts / "step_00000005"  # shards written, meta.json never written
+    shutil.copytree(baseline / "checkpoints" / "step_00000006", half)
+    (half / "meta.json").unlink()
+    (ckpts / ".tmp-step_00000006").mkdir()
+    proc = _torchrun(2, [*RESUMABLE, f"out_dir={run_dir}"])
+    _ok(proc)
+    assert "[resume] step=3" in proc.stdout
+    base, resumed = _losses(baseline), _losses(run_dir)
+    assert sorted(resumed) == [4, 5, 6]
+    assert [resumed[s] for s in (4, 5, 6)] == [base[s] for s in (4, 5, 6)]
+    _same_weights(baseline, run_dir)
+
+
+def test_a_killed_rank_restarts_from_the_last_checkpoint(baseline: Path, tmp_path: Path):
+    run_dir = tmp_path / "fault"
+    proc = _torchrun(2, [*RESUMABLE, f"out_dir={run_dir}"], "--max-restarts=1", PLAIT_TRAIN_FAIL_AT_STEP="5")
+    _ok(proc)
+    assert "[resume] step=3" in proc.stdout
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4, 4, 5, 6]
+    _same_weights(baseline, run_dir)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.stepz=3", r"unknown recipe key 'train\.stepz' \(did you mean 'train\.steps'\?\)"),
+        ("train.steps=many", r"train\.steps must be int, got 'many' \(str\)"),
+        ("parallel.tp_size=3", r"world_size 4 is not divisible by pp\*cp\*tp = 1\*1\*3"),
+    ],
+)
+def test_bad_recipe_is_one_line_and_writes_nothing(override: str, message: str, tmp_path: Path, capsys):
+    run_dir = tmp_path / "never"
+    assert main(_sets([override, f"out_dir={run_dir}"])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("plait-train: error: "), err
+    assert re.search(message, err[0])
+    assert not run_dir.exists()
+
+
+def test_bad_recipe_fails_on_every_torchrun_rank_without_hanging(tmp_path: Path):
+    run_dir = tmp_path / "never"
+    proc = _torchrun(2, [*SMALL, "parallel.tp_size=4", f"out_dir={run_dir}"])
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("plait-train: error: ")]
+    assert len(lines) == 2, proc.stderr[-3000:]
+    assert all("world_size 2 is not divisible by pp*cp*tp = 1*1*4" in line for line in lines)
+    assert not run_dir.exists()
+
+
+def test_plan_llama3_8b_on_1024_ranks():
+    proc = _run(
+        ["-m", "plait.train", "plan", "--world-size", "1024", "--set", "model.preset=llama3-8b"], timeout=120
+    )
+    _ok(proc)
+    out = proc.stdout
+    total = 8_030_261_248  # Llama-3-8B, untied embeddings
+    assert f"parameters: {total:,} total" in out
+    per_rank = int(re.search(r"parameters per rank: ([\d,]+)", out).group(1).replace(",", ""))
+    assert total / 1024 <= per_rank <= total / 1024 * 1.002
+    assert "dp_shard=512 x cp=1 x tp=2" in out
+    assert "FSDP units: 35" in out  # root, embed_tokens, 32 layers, lm_head
+    assert "model.layers.*  x32" in out and "  model.embed_tokens\n" in out and "  lm_head\n" in out
+    assert re.search(r"model\.layers\.\*\.self_attn\.q_proj\.weight: dp_shard:[^|\n]*, tp:S\(0\)\n", out)
+    assert re.search(r"optimizer \(AdamW exp_avg \+ exp_avg_sq\): [\d,]+ x float32", out)
+    assert re.search(r"fsdp_all_gather: [\d.]+ GiB", out) and "tp_activations" in out
+    assert float(re.search(r"planned in ([\d.]+) s", out).group(1)) < 60
