@@ -19,7 +19,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
@@ -101,16 +100,6 @@ def _dp_mean(value: float, ctx: MeshContext) -> float:
     return float(t) / dist.get_world_size(_dp_group(ctx))
 
 
-def clear_stale_mesh_caches() -> None:
-    """Drop DTensor's sharding-propagation caches, which outlive the harness's per-call group cleanup.
-
-    `DeviceMesh` equality ignores process groups, so a cached output spec can carry a mesh from an
-    earlier `run_on_ranks` call whose groups the harness has destroyed ("Could not resolve the
-    process group"). Call at the start of every rank body that uses DTensors.
-    """
-    _clear_sharding_prop_cache()
-
-
 def run_parity(
     case: str,
     build: Callable[[], nn.Module],
@@ -135,7 +124,6 @@ def run_parity(
         parallelize: the entry point under test.
         inspect: ``model -> dict`` recorded from the parallelized model into ``Parity.extra``.
     """
-    clear_stale_mesh_caches()
     torch.manual_seed(0)
     reference = build()
     model = parallelize(copy.deepcopy(reference), ctx)

@@ -10,21 +10,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from plait.testing.parity import max_grad_diff, max_param_diff
 
 Build = Callable[[], tuple[nn.Module, nn.Module]]
 """Returns ``(reference, parallelized)`` models with equal initial weights."""
-
-
-def clear_dtensor_caches() -> None:
-    """Forget DTensor sharding decisions cached by earlier calls on this worker.
-
-    DeviceMeshes compare equal by layout, so a cached output spec can carry the mesh of an earlier
-    call whose process groups the harness has destroyed since; call this before building meshes.
-    """
-    _clear_sharding_prop_cache()
 
 
 def global_batch(vocab: int, world: int, per_rank: int = 2, seq: int = 8, seed: int = 1) -> torch.Tensor:

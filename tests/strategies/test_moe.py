@@ -20,7 +20,6 @@ from plait.testing.moe_models import MoEDecoder, MoEDecoderConfig, TopKRouter
 from plait.testing.parity import max_grad_diff
 from tests.strategies._parity import (
     Parity,
-    clear_dtensor_caches,
     global_batch,
     lm_loss,
     local_rows,
@@ -31,7 +30,6 @@ _FP32 = FSDP2Config(mp_policy=None)
 
 
 def _build(cfg: MoEDecoderConfig, ep: int, ac: bool | str) -> tuple[torch.nn.Module, torch.nn.Module]:
-    clear_dtensor_caches()
     torch.manual_seed(0)
     ref = MoEDecoder(cfg)
     ctx = MeshContext.build(_FP32, ParallelismSizes(ep_size=ep))
@@ -143,7 +141,6 @@ def _tp_ep_parity() -> Parity:
     config = FSDP2Config(mp_policy=None, tp_plan=_TP_PLAN)
 
     def build() -> tuple[torch.nn.Module, torch.nn.Module]:
-        clear_dtensor_caches()
         torch.manual_seed(0)
         ref = MoEDecoder(cfg)
         ctx = MeshContext.build(config, ParallelismSizes(tp_size=2, ep_size=2))
@@ -163,7 +160,6 @@ def _unwrapped_outer_parity() -> tuple[Parity, bool, bool]:
     moe = MoEConfig(wrap_outer_model=False, lm_head_precision=torch.float32)
 
     def build() -> tuple[torch.nn.Module, torch.nn.Module]:
-        clear_dtensor_caches()
         torch.manual_seed(0)
         ref = MoEDecoder(SKEWED)
         ctx = MeshContext.build(_FP32, ParallelismSizes(ep_size=2))
