@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -84,13 +84,7 @@ def _parallelize_megatron_fsdp(
         model,
         mesh_context.strategy_config,
         mesh_context.device_mesh,
-        activation_checkpointing=mesh_context.activation_checkpointing,
-        reapply_trainability=mesh_context.reapply_trainability,
-        model_tp_plan=parallelizer.tp_plan,
-        finalize_tp_plan=parallelizer._finalize_tp_plan,
-        validate_tp=parallelizer._validate_tp_mesh,
-        layer_group_paths=parallelizer.layer_group_paths,
-        whole_layer_checkpointing=parallelizer._use_full_layer_activation_checkpointing(model),
+        **_tp_and_checkpointing_hooks(model, mesh_context, parallelizer),
     )
 
 
@@ -110,12 +104,21 @@ def _parallelize_moe(
         mesh_context.moe_mesh,
         strategy_config=config,
         moe_config=mesh_context.moe_config,
-        activation_checkpointing=mesh_context.activation_checkpointing,
-        reapply_trainability=mesh_context.reapply_trainability,
-        model_tp_plan=parallelizer.tp_plan,
-        finalize_tp_plan=parallelizer._finalize_tp_plan,
-        validate_tp=parallelizer._validate_tp_mesh,
-        layer_group_paths=parallelizer.layer_group_paths,
-        whole_layer_checkpointing=parallelizer._use_full_layer_activation_checkpointing(model),
+        **_tp_and_checkpointing_hooks(model, mesh_context, parallelizer),
         shard_fn=parallelizer._fully_shard_module,
     )
+
+
+def _tp_and_checkpointing_hooks(
+    model: nn.Module, mesh_context: MeshContext, parallelizer: ModelParallelizer
+) -> dict[str, Any]:
+    """The sidecar's TP and checkpointing hooks, as the keyword arguments the strategies take."""
+    return {
+        "activation_checkpointing": mesh_context.activation_checkpointing,
+        "reapply_trainability": mesh_context.reapply_trainability,
+        "model_tp_plan": parallelizer.tp_plan,
+        "finalize_tp_plan": parallelizer._finalize_tp_plan,
+        "validate_tp": parallelizer._validate_tp_mesh,
+        "layer_group_paths": parallelizer.layer_group_paths,
+        "whole_layer_checkpointing": parallelizer._use_full_layer_activation_checkpointing(model),
+    }
