@@ -38,10 +38,12 @@ from tools.bench.baseline import build_baseline_meshes, parallelize_baseline
 from tools.bench.instrument import (
     CollectiveCounter,
     held_bytes,
-    median_step_time,
+    median,
     num_fsdp_units,
     peak_rss_bytes,
+    per_step,
 )
+from tools.bench.report import markdown_table, ratios
 
 CONTENDERS = ("reference", "baseline", "plait")
 MESH_AXES = ("dp_replicate", "dp_shard", "tp")
@@ -130,7 +132,7 @@ def _meshes(contender: str, spec: dict[str, Any]) -> Any:
         return build_baseline_meshes(mesh["dp_replicate"], mesh["dp_shard"], mesh["tp"])
     from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
 
-    cfg = FSDP2Config(mp_policy=_mp_policy(spec["bf16"]), sequence_parallel=spec["sp"])
+    cfg = FSDP2Config(mp_policy=_mp_policy(spec["bf16"]), sequence_parallel=spec["sp"], **spec["plait_set"])
     ctx = MeshContext.build(cfg, ParallelismSizes(dp_replicate_size=mesh["dp_replicate"], tp_size=mesh["tp"]))
     assert ctx.dp_shard_size == mesh["dp_shard"], (ctx.dp_shard_size, mesh)
     return ctx
@@ -168,16 +170,17 @@ def run_contender(contender: str, spec: dict[str, Any]) -> dict[str, Any]:
         model = _parallelize(contender, model, meshes, spec)
     parallelize_s = time.perf_counter() - start
     opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
-    losses, times, comm = [], [], None
+    losses, times, cpu_times, comm = [], [], [], None
     for step in range(spec["steps"]):
         ids, labels = batch(spec, step, dp_rank, dp_size)
         if world > 1:
             dist.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         counter = CollectiveCounter() if step == COUNTED_STEP else nullcontext()
         with counter:
             loss = _train_step(model, opt, ids, labels)
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
         if isinstance(counter, CollectiveCounter):
             comm = counter.stats.as_dict() | {"uncounted_ops": dict(counter.unknown)}
         if world > 1:  # every rank's loss is its dp group's mean over equal token counts
@@ -187,6 +190,7 @@ def run_contender(contender: str, spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "losses": losses,
         "times": times,
+        "cpu_times": cpu_times,
         "comm": comm,
         "held": held_bytes(model, opt),
         "total_param_bytes": total_param_bytes,
@@ -243,9 +247,16 @@ def launch(contender: str, spec: dict[str, Any], timeout: float) -> list[dict[st
         return json.loads(Path(out).read_text())
 
 
-def summarize(contender: str, ranks: list[dict[str, Any]], spec: dict[str, Any]) -> dict[str, Any]:
-    """One contender's JSON object: per-step losses, timing, memory, communication."""
-    step_s = median_step_time([r["times"] for r in ranks], WARMUP)
+def summarize(contender: str, runs: list[list[dict[str, Any]]], spec: dict[str, Any]) -> dict[str, Any]:
+    """One contender's JSON object from its repeated runs (each a list of per-rank measurements).
+
+    Step time: the median, over every timed step of every run, of the slowest rank's wall time.
+    CPU time: the same median of the CPU seconds all ranks together spent on a step (less sensitive
+    to other load on the machine). Losses, bytes and units come from the first run (deterministic).
+    """
+    step_s = median(t for run in runs for t in per_step([r["times"] for r in run], WARMUP))
+    cpu_s = median(t for run in runs for t in per_step([r["cpu_times"] for r in run], WARMUP, sum))
+    ranks = runs[0]
     tokens = spec["batch"] * spec["seq"]
     mesh = spec["mesh"]
     degree = 1 if contender == "reference" else mesh["dp_shard"] * mesh["tp"]
@@ -263,78 +274,24 @@ def summarize(contender: str, ranks: list[dict[str, Any]], spec: dict[str, Any])
         "losses": ranks[0]["losses"],
         "step_time_s": step_s,
         "tokens_per_s": tokens / step_s,
-        "peak_rss_bytes": max(r["peak_rss"] for r in ranks),
-        "peak_rss_above_start_bytes": max(r["peak_rss"] - r["base_rss"] for r in ranks),
+        "cpu_s_per_step": cpu_s,
+        "runs": len(runs),
+        "peak_rss_bytes": max(r["peak_rss"] for run in runs for r in run),
+        "peak_rss_above_start_bytes": max(r["peak_rss"] - r["base_rss"] for run in runs for r in run),
         "held_bytes": held,
         "held_over_ideal": {k: held[k] / ideal[k] for k in ideal},
         "comm_per_step": comm,
         "fsdp_units": ranks[0]["fsdp_units"],
-        "parallelize_s": max(r["parallelize_s"] for r in ranks),
-        "mesh_build_s": max(r["mesh_s"] for r in ranks),
+        "parallelize_s": median(max(r["parallelize_s"] for r in run) for run in runs),
+        "mesh_build_s": median(max(r["mesh_s"] for r in run) for run in runs),
     }
 
 
-def _ratio(a: float, b: float) -> float | None:
-    return a / b if b else None
-
-
-def ratios(plait: dict[str, Any], base: dict[str, Any], ref: dict[str, Any] | None) -> dict[str, Any]:
-    """plait / baseline for every measured figure, and the acceptance checks of the benchmark issue."""
-    pc, bc = plait["comm_per_step"] or {}, base["comm_per_step"] or {}
-    out: dict[str, Any] = {
-        "ratios": "plait / baseline",
-        "step_time": _ratio(plait["step_time_s"], base["step_time_s"]),
-        "tokens_per_s": _ratio(plait["tokens_per_s"], base["tokens_per_s"]),
-        "peak_rss": _ratio(plait["peak_rss_bytes"], base["peak_rss_bytes"]),
-        "held_bytes": {k: _ratio(plait["held_bytes"][k], base["held_bytes"][k]) for k in plait["held_bytes"]},
-        "comm_bytes_total": _ratio(pc.get("bytes_sent_total", 0), bc.get("bytes_sent_total", 0)),
-        "comm_bytes": {
-            k: _ratio(v, bc.get("bytes_sent", {}).get(k, 0)) for k, v in pc.get("bytes_sent", {}).items()
-        },
-        "largest_buffer": _ratio(pc.get("largest_buffer", 0), bc.get("largest_buffer", 0)),
-        "fsdp_units": _ratio(plait["fsdp_units"], base["fsdp_units"]),
-        "parallelize_s": _ratio(plait["parallelize_s"], base["parallelize_s"]),
-    }
-    checks = {
-        "held_le_1.02x_ideal": max(plait["held_over_ideal"].values()) <= 1.02,
-        "comm_le_baseline": pc.get("bytes_sent_total", 0) <= bc.get("bytes_sent_total", 0),
-        "step_time_le_1.05x_baseline": plait["step_time_s"] <= 1.05 * base["step_time_s"],
-    }
-    if ref is not None:
-        for name, summary in (("plait", plait), ("baseline", base)):
-            diff = max(abs(a - b) for a, b in zip(summary["losses"], ref["losses"], strict=True))
-            out[f"{name}_max_loss_diff_vs_reference"] = diff
-        checks["plait_losses_match_reference_1e-5"] = out["plait_max_loss_diff_vs_reference"] <= 1e-5
-    return out | {"checks": checks}
-
-
-_COLUMNS = (
-    ("contender", lambda s: s["contender"]),
-    ("step s", lambda s: f"{s['step_time_s']:.3f}"),
-    ("tok/s", lambda s: f"{s['tokens_per_s']:.0f}"),
-    ("peak RSS MiB", lambda s: f"{s['peak_rss_bytes'] / 2**20:.0f}"),
-    ("held MiB p/g/o", lambda s: "/".join(f"{v / 2**20:.1f}" for v in s["held_bytes"].values())),
-    ("held/ideal", lambda s: f"{max(s['held_over_ideal'].values()):.3f}"),
-    ("AG MiB", lambda s: _comm(s, "all_gather")),
-    ("RS MiB", lambda s: _comm(s, "reduce_scatter")),
-    ("AR MiB", lambda s: _comm(s, "all_reduce")),
-    ("A2A MiB", lambda s: _comm(s, "all_to_all")),
-    ("max buf MiB", lambda s: f"{(s['comm_per_step'] or {}).get('largest_buffer', 0) / 2**20:.2f}"),
-    ("units", lambda s: str(s["fsdp_units"])),
-    ("par. s", lambda s: f"{s['parallelize_s']:.3f}"),
-    ("final loss", lambda s: f"{s['losses'][-1]:.6f}"),
-)
-
-
-def _comm(summary: dict[str, Any], kind: str) -> str:
-    return f"{(summary['comm_per_step'] or {}).get('bytes_sent', {}).get(kind, 0) / 2**20:.2f}"
-
-
-def markdown_table(summaries: dict[str, dict[str, Any]]) -> str:
-    """The summaries as one markdown table (the README's format)."""
-    lines = ["| " + " | ".join(name for name, _ in _COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
-    lines += ["| " + " | ".join(cell(s) for _, cell in _COLUMNS) + " |" for s in summaries.values()]
-    return "\n".join(lines)
+def _json_or_str(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,6 +311,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bf16", action="store_true", help="bf16 params in FSDP (fp32 reduce)")
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument(
+        "--plait-set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override an FSDP2Config field for plait (ablations), e.g. enable_fsdp2_prefetch=false",
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="run the contenders in turn this many times")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per contender")
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
     args = parser.parse_args(argv)
@@ -363,11 +328,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown contenders {sorted(unknown)}; choose from {CONTENDERS}")
     if args.steps <= WARMUP or args.batch % (mesh["dp_replicate"] * mesh["dp_shard"]):
         parser.error(f"need --steps > {WARMUP} and --batch divisible by dp_replicate*dp_shard")
-    spec = vars(args) | {"mesh": mesh, "mesh_text": args.mesh, "sp": args.sequence_parallel}
-    summaries = {}
-    for contender in contenders:
-        summaries[contender] = summarize(contender, launch(contender, spec, args.timeout), spec)
-        print(json.dumps(summaries[contender]), flush=True)
+    plait_set = {k: _json_or_str(v) for k, _, v in (item.partition("=") for item in args.plait_set)}
+    spec = vars(args) | {
+        "mesh": mesh,
+        "mesh_text": args.mesh,
+        "sp": args.sequence_parallel,
+        "plait_set": plait_set,
+    }
+    runs: dict[str, list[list[dict[str, Any]]]] = {c: [] for c in contenders}
+    for _ in range(args.repeat):  # contenders alternate, so slow drifts in machine load hit all alike
+        for contender in contenders:
+            runs[contender].append(launch(contender, spec, args.timeout))
+    summaries = {c: summarize(c, runs[c], spec) for c in contenders}
+    for summary in summaries.values():
+        print(json.dumps(summary), flush=True)
     if "plait" in summaries and "baseline" in summaries:
         print(json.dumps(ratios(summaries["plait"], summaries["baseline"], summaries.get("reference"))))
     if args.markdown:

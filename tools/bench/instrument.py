@@ -18,7 +18,7 @@ from __future__ import annotations
 import resource
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,9 +32,10 @@ __all__ = [
     "CollectiveCounter",
     "CollectiveStats",
     "held_bytes",
-    "median_step_time",
+    "median",
     "num_fsdp_units",
     "peak_rss_bytes",
+    "per_step",
 ]
 
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
@@ -191,8 +192,13 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def median_step_time(per_rank_times: list[list[float]], warmup: int) -> float:
-    """Median over steps after ``warmup`` of the slowest rank's time for each step."""
-    per_step = [max(ts) for ts in zip(*per_rank_times, strict=True)]
-    timed = per_step[warmup:] or per_step
-    return statistics.median(timed)
+def per_step(
+    per_rank_values: list[list[float]], warmup: int, combine: Callable[[Iterable[float]], float] = max
+) -> list[float]:
+    """Per step after ``warmup``, ``combine`` over ranks (default: the slowest rank's time)."""
+    steps = [combine(vs) for vs in zip(*per_rank_values, strict=True)]
+    return steps[warmup:] or steps
+
+
+def median(values: Iterable[float]) -> float:
+    return statistics.median(values)
