@@ -9,6 +9,7 @@ Buffers left empty by the meta device (RoPE ``inv_freq``) are recomputed.
 
 from __future__ import annotations
 
+import difflib
 import math
 import zlib
 from collections.abc import Callable
@@ -75,10 +76,8 @@ class SafetensorsSource:
     def __call__(self, fqn: str, shape: torch.Size) -> torch.Tensor:
         handle = self._where.get(fqn)
         if handle is None:
-            near = [
-                k for k in self._where if k.endswith(fqn.rsplit(".", 2)[-2] + "." + fqn.rsplit(".", 1)[-1])
-            ]
-            raise ValueError(f"pretrained weights have no tensor {fqn!r} (similar: {near[:3]})")
+            near = difflib.get_close_matches(fqn, list(self._where), n=3)
+            raise ValueError(f"pretrained weights have no tensor {fqn!r} (closest: {near})")
         tensor = handle.get_tensor(fqn)
         if tensor.shape != shape:
             raise ValueError(

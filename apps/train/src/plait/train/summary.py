@@ -25,7 +25,10 @@ def pattern_of(name: str) -> str:
 
 
 def model_class_name(model: nn.Module) -> str:
-    """The model's own class name (FSDP2 wraps the class as ``FSDP<Name>``)."""
+    """The model's own class name (FSDP2 wraps the class as ``FSDP<Name>``, DDP holds it as ``.module``)."""
+    inner = getattr(model, "module", None)
+    if isinstance(inner, nn.Module):
+        model = inner
     cls = type(model)
     if isinstance(model, FSDPModule):
         cls = next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))

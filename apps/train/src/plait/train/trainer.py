@@ -118,7 +118,7 @@ class Trainer:
         inputs, labels = dataset.batch(indices)
         batch = {"input_ids": inputs.to(self.device), "labels": labels.to(self.device)}
         if self.recipe.model.source == "vlm":
-            vision = self.model.config.vision_config
+            vision = getattr(self.model, "module", self.model).config.vision_config  # DDP wraps as .module
             images = synthetic_images(indices, vision.num_channels, vision.image_size, self.recipe.train.seed)
             batch["pixel_values"] = images.to(self.device)
         return batch
