@@ -41,7 +41,7 @@ def test_presets_reach_the_llama3_70b_shape_on_meta():
     model = build_model(ModelConfig(preset="llama3-70b"), "meta")
     assert sum(p.numel() for p in model.parameters()) == 70_553_706_496
     with pytest.raises(
-        ValueError, match="model.preset 'huge' is not a dense preset; choose one of: tiny, small"
+        ValueError, match=r"model\.preset 'huge' is not a dense preset; choose one of: tiny, small"
     ):
         build_model(ModelConfig(preset="huge"), "meta")
     with pytest.raises(ValueError, match=r"unknown recipe key 'model\.arch\.hiden_size'"):
@@ -94,5 +94,5 @@ def test_pretrained_safetensors_are_loaded_by_name(tmp_path: Path):
     loaded = materialize(build_model(ModelConfig(), "meta"), seed=0, source=SafetensorsSource(tmp_path))
     for name, tensor in source.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
-    with pytest.raises(ValueError, match="has no \\*.safetensors file"):
+    with pytest.raises(ValueError, match=r"has no \*\.safetensors file"):
         SafetensorsSource(tmp_path / "empty")
