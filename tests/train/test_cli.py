@@ -61,7 +61,13 @@ def _ok(proc: subprocess.CompletedProcess[str]) -> None:
 
 def test_default_recipe_trains_on_four_self_launched_ranks(tmp_path: Path):
     run_dir = tmp_path / "default"
-    overrides = [f"out_dir={run_dir}", "train.steps=8", "optim.warmup_steps=2", "checkpoint.every=0"]
+    overrides = [
+        f"out_dir={run_dir}",
+        "train.steps=8",
+        "optim.warmup_steps=2",
+        "checkpoint.every=3",
+        "checkpoint.keep=1",
+    ]
     proc = _run(["-m", "plait.train", *_sets(overrides)])
     _ok(proc)
     assert "dp_shard=2 x cp=1 x tp=2" in proc.stdout and "sp=on ac=full" in proc.stdout
@@ -73,6 +79,7 @@ def test_default_recipe_trains_on_four_self_launched_ranks(tmp_path: Path):
     )
     assert "val_loss" in proc.stdout
     assert (run_dir / "model.safetensors").is_file()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000006"]  # keep the last 1
 
 
 @pytest.fixture(scope="module")

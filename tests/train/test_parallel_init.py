@@ -65,3 +65,27 @@ def test_weights_loss_and_grad_norm_identical_between_world_1_and_a_2x2_mesh():
             assert torch.equal(result["full"][name], tensor), name
         assert result["loss"] == pytest.approx(reference["loss"], abs=1e-5)
         assert result["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
+
+
+def _first_step(tmp: str, overrides: list[str]) -> dict[str, float]:
+    import torch.distributed as dist
+
+    from plait.mesh import init_distributed
+    from plait.train.recipes import load_recipe
+    from plait.train.setup import check_recipe
+    from plait.train.trainer import Trainer
+
+    base = [*OVERRIDES, "parallel.tp_size=1", "data.seq_len=16", "data.max_bytes=50000", f"out_dir={tmp}"]
+    recipe = load_recipe(None, [*base, *overrides])
+    trainer = Trainer(recipe, check_recipe(recipe, dist.get_world_size()), init_distributed())
+    return trainer.train_step()
+
+
+def test_gradient_accumulation_equals_one_large_batch(tmp_path):
+    one = run_on_ranks(_first_step, 2, str(tmp_path / "a"), ["data.micro_batch_size=4"])
+    accumulated = run_on_ranks(
+        _first_step, 2, str(tmp_path / "b"), ["data.micro_batch_size=2", "train.grad_accum=2"]
+    )
+    for a, b in zip(one, accumulated, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)

@@ -8,6 +8,7 @@ A bad recipe prints one ``plait-train: error: ...`` line (on every rank) and exi
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 __all__ = ["main"]
@@ -50,23 +51,25 @@ def main(argv: list[str] | None = None) -> int:
     rest = args_in[1:] if args_in and args_in[0] in _COMMANDS else args_in
     args = _parser(command).parse_args(rest)
 
-    from plait.train.launch import launch_local, under_launcher
-    from plait.train.recipes import load_recipe
+    from plait.train.launch import defer_sigterm, launch_local, under_launcher
 
-    try:
-        recipe = load_recipe(args.recipe, args.overrides)
-        if command == "plan":
-            from plait.train.plan import plan
-
-            print(plan(recipe, args.world_size))
-            return 0
-        if not under_launcher():
+    launched = under_launcher()
+    with defer_sigterm():
+        try:
+            from plait.train.recipes import load_recipe
             from plait.train.setup import check_recipe
 
-            check_recipe(recipe, recipe.launch.nproc_per_node)
-    except (ValueError, TypeError) as err:
-        return _fail(err)
-    if not under_launcher():
+            recipe = load_recipe(args.recipe, args.overrides)
+            if command == "plan":
+                from plait.train.plan import plan
+
+                print(plan(recipe, args.world_size))
+                return 0
+            world = int(os.environ.get("WORLD_SIZE", "1")) if launched else recipe.launch.nproc_per_node
+            config = check_recipe(recipe, world)
+        except (ValueError, TypeError) as err:
+            return _fail(err)
+    if not launched:
         return launch_local(
             args_in, nproc_per_node=recipe.launch.nproc_per_node, max_restarts=recipe.launch.max_restarts
         )
@@ -74,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     from plait.train.trainer import SetupError, run
 
     try:
-        run(recipe)
+        run(recipe, config)
     except SetupError as err:
         return _fail(err)
     return 0

@@ -8,20 +8,46 @@ Under ``torchrun`` nothing is launched; the launcher's ranks are used as they ar
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import uuid
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_elastic_attempt", "launch_local", "under_launcher"]
+__all__ = ["defer_sigterm", "init_elastic_attempt", "launch_local", "under_launcher"]
 
 
 def under_launcher() -> bool:
     """Whether this process is one rank of a launched job (``RANK`` or ``WORLD_SIZE`` set)."""
     return "RANK" in os.environ or "WORLD_SIZE" in os.environ
+
+
+@contextlib.contextmanager
+def defer_sigterm() -> Iterator[None]:
+    """Hold SIGTERM while the recipe is checked; re-deliver it afterwards.
+
+    When every rank rejects a bad recipe, the launcher stops the others as soon as the first one
+    exits; holding the signal for this short, collective-free stretch lets each rank still print
+    its own one-line error. Outside the main thread this does nothing.
+    """
+    received: list[int] = []
+    try:
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    except ValueError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        if received:
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def launch_local(argv: list[str], *, nproc_per_node: int, max_restarts: int = 0) -> int:

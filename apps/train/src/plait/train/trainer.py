@@ -274,8 +274,12 @@ class SetupError(Exception):
     """A recipe that fails while the job is being set up (mesh, model, data), raised on every rank."""
 
 
-def run(recipe: Recipe) -> None:
+def run(recipe: Recipe, config: StrategyConfig | None = None) -> None:
     """Train ``recipe`` on this rank (under a launcher, or alone as a world of one).
+
+    Args:
+        recipe: the job.
+        config: its strategy config from :func:`check_recipe` (None = check here).
 
     Raises:
         SetupError: the recipe is impossible (checked before any collective where possible).
@@ -284,7 +288,7 @@ def run(recipe: Recipe) -> None:
     # DTensor logs a warning per multi-dim redistribute (e.g. full weights at export); keep the log readable.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     try:
-        config = check_recipe(recipe, world)
+        config = config if config is not None else check_recipe(recipe, world)
         backend = _backend(recipe)
     except (ValueError, TypeError) as err:
         raise SetupError(str(err)) from err
