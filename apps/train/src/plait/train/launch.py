@@ -14,12 +14,8 @@ import signal
 import sys
 import uuid
 from collections.abc import Iterator
-from datetime import timedelta
 
-import torch
-import torch.distributed as dist
-
-__all__ = ["defer_sigterm", "init_elastic_attempt", "launch_local", "under_launcher"]
+__all__ = ["defer_sigterm", "launch_local", "under_launcher"]
 
 
 def under_launcher() -> bool:
@@ -74,35 +70,3 @@ def launch_local(argv: list[str], *, nproc_per_node: int, max_restarts: int = 0)
         print(f"plait-train: {len(err.failures)} rank(s) failed (exit codes {codes})", file=sys.stderr)
         return next((c for c in codes if c > 0), 1)
     return 0
-
-
-def init_elastic_attempt(backend: str) -> bool:
-    """Under torch's elastic agent, initialise the default group on a store private to this attempt.
-
-    The agent keeps one TCPStore across restarts and ``env://`` adds no per-attempt prefix, so the
-    ranks of a restarted job can read the previous attempt's gloo addresses and fail to connect
-    or hang. Prefixing the store with ``TORCHELASTIC_RESTART_COUNT`` keeps each attempt apart.
-    Returns False (nothing done) outside the elastic agent or when already initialised.
-    """
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is None or dist.is_initialized() or "MASTER_ADDR" not in os.environ:
-        return False
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    store = dist.TCPStore(
-        host,
-        port,
-        world_size,
-        is_master=rank == 0 and not agent_store,
-        timeout=timedelta(minutes=10),
-        multi_tenant=not agent_store,
-    )
-    kwargs = {}
-    if backend == "nccl":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        kwargs["device_id"] = torch.device("cuda", local_rank)
-    prefixed = dist.PrefixStore(f"plait/attempt_{restart}/", store)
-    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size, **kwargs)
-    return True

@@ -28,7 +28,6 @@ from plait.mesh import DistributedInfo, MeshContext, StrategyConfig, init_distri
 from plait.train.checkpoint import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
 from plait.train.config import Recipe, to_dict
 from plait.train.data import Corpus, GlobalSampler, PackedDataset, load_corpus, synthetic_images
-from plait.train.launch import init_elastic_attempt
 from plait.train.metrics import MetricsLogger, memory_mib
 from plait.train.models import hf_logits
 from plait.train.optim import build_optimizer, build_scheduler, clip_grad_norm
@@ -292,7 +291,6 @@ def run(recipe: Recipe, config: StrategyConfig | None = None) -> None:
         backend = _backend(recipe)
     except (ValueError, TypeError) as err:
         raise SetupError(str(err)) from err
-    init_elastic_attempt(backend)
     info = init_distributed(backend=backend)
     try:
         try:

@@ -60,7 +60,7 @@ def init_distributed(backend: str | None = None, *, timeout: timedelta | None = 
     - Already initialised: nothing is changed.
     - Under a launcher (``RANK`` and ``WORLD_SIZE`` set): ``nccl`` when CUDA is available (the
       device is set from ``LOCAL_RANK`` first), else ``gloo``; rendezvous via ``MASTER_ADDR`` /
-      ``MASTER_PORT``.
+      ``MASTER_PORT``, on a store private to the restart attempt under torch's elastic agent.
     - No launcher: a single-rank ``gloo`` group on a free local port.
 
     Args:
@@ -88,5 +88,30 @@ def init_distributed(backend: str | None = None, *, timeout: timedelta | None = 
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
         kwargs["device_id"] = torch.device("cuda", local_rank)
+    store = _elastic_attempt_store(rank, world_size)
+    if store is not None:
+        kwargs["store"] = store
     dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
     return _info()
+
+
+def _elastic_attempt_store(rank: int, world_size: int) -> dist.Store | None:
+    """Under torch's elastic agent, a store private to this restart attempt; None elsewhere.
+
+    The agent keeps one TCPStore across restarts and ``env://`` adds no per-attempt prefix (torch
+    2.15), so the ranks of a restarted job can read the previous attempt's gloo addresses and fail
+    to connect or hang. Prefixing the store with ``TORCHELASTIC_RESTART_COUNT`` keeps attempts apart.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or "MASTER_ADDR" not in os.environ:
+        return None
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        _env_int("MASTER_PORT"),
+        world_size,
+        is_master=rank == 0 and not agent_store,
+        timeout=timedelta(minutes=10),
+        multi_tenant=not agent_store,
+    )
+    return dist.PrefixStore(f"plait/attempt_{restart}/", store)
