@@ -69,7 +69,7 @@ def run_one(config: dict[str, Any]) -> dict[str, Any]:
             from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
 
             meshes = MeshContext.build(FSDP2Config(), ParallelismSizes(tp_size=tp))
-        mesh_s, start = time.perf_counter() - start, time.perf_counter()
+        mesh_s, rss_mesh, start = time.perf_counter() - start, peak_rss_bytes(), time.perf_counter()
         if config["contender"] == "baseline":
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -86,6 +86,7 @@ def run_one(config: dict[str, Any]) -> dict[str, Any]:
             "parallelize_s": parallelize_s,
             "peak_rss_bytes": peak_rss_bytes(),
             "rss_after_model_bytes": rss_model,
+            "rss_after_mesh_bytes": rss_mesh,
             "fsdp_units": num_fsdp_units(model),
             "local_params": local,
         }
@@ -107,10 +108,12 @@ def _spawn(config: dict[str, Any], timeout: float) -> dict[str, Any]:
 def _row(r: dict[str, Any]) -> str:
     head = f"| {r['shape']} | {r['world']:,} | dp_shard={r['world'] // r['tp']},tp={r['tp']} | {r['contender']} |"
     if "error" in r:
-        return f"{head} error: {r['error'][:80]} | | | | |"
+        return f"{head} error: {r['error'][:80]} | | | | | |"
+    mib = 2**20
     return (
-        f"{head} {r['mesh_s']:.2f} | {r['parallelize_s']:.2f} | {r['peak_rss_bytes'] / 2**20:,.0f} | "
-        f"{(r['peak_rss_bytes'] - r['rss_after_model_bytes']) / 2**20:,.0f} | {r['fsdp_units']} |"
+        f"{head} {r['mesh_s']:.2f} | {(r['rss_after_mesh_bytes'] - r['rss_after_model_bytes']) / mib:,.0f} | "
+        f"{r['parallelize_s']:.2f} | {(r['peak_rss_bytes'] - r['rss_after_mesh_bytes']) / mib:,.0f} | "
+        f"{r['peak_rss_bytes'] / mib:,.0f} | {r['fsdp_units']} |"
     )
 
 
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "| shape | world | mesh | contender | mesh s | parallelize s | peak RSS MiB | RSS growth MiB | units |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---" * 10 + "|")
     failed = False
     for shape in args.shapes.split(","):
         for world in (int(w) for w in args.worlds.split(",")):
