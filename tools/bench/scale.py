@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_one(json.loads(args.one))))
         return 0
     print(
-        "| shape | world | mesh | contender | mesh s | parallelize s | peak RSS MiB | RSS growth MiB | units |"
+        "| shape | world | mesh | contender | mesh s | mesh RSS +MiB | parallelize s | parallelize RSS +MiB "
+        "| peak RSS MiB | units |"
     )
     print("|---" * 10 + "|")
     failed = False
