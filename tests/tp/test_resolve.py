@@ -11,6 +11,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from plait.tp import (
+    GatherSequenceInput,
     ReplicatedWithGradAllReduce,
     ReplicateParallel,
     SequenceParallelAllGather,
@@ -150,7 +151,10 @@ def test_built_in_llama_plan_for_registered_hf_classes() -> None:
     sp = _quiet_resolve(model, sequence_parallel=True)
     assert type(sp["model.layers.*.input_layernorm"]) is SequenceParallelNorm
     assert sp["model.embed_tokens"].output_layouts == Shard(1)
-    assert sp["model.layers.*.self_attn.q_proj"].input_layouts == (Shard(1),)
+    # one all-gather per block: the block gathers, its column-wise projections take the full sequence
+    assert type(sp["model.layers.*.self_attn"]) is GatherSequenceInput
+    assert type(sp["model.layers.*.mlp"]) is GatherSequenceInput
+    assert sp["model.layers.*.self_attn.q_proj"].input_layouts == (Replicate(),)
     assert sp["model.layers.*.mlp.down_proj"].output_layouts == (Shard(1),)
     assert sp["lm_head"].input_layouts == (Shard(1),)
     assert "model.rotary_emb" not in sp  # HF rotary only reads dtype/device from the hidden state

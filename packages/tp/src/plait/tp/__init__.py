@@ -6,6 +6,7 @@ from plait.tp.hf import hf_tp_plan, is_remote_code_model
 from plait.tp.plans import llama_tp_plan, register_model_tp_plan, register_tp_plan
 from plait.tp.resolve import resolve_tp_plan
 from plait.tp.styles import (
+    GatherSequenceInput,
     ReplicatedWithGradAllReduce,
     ReplicateParallel,
     RotaryEmbeddingParallel,
@@ -18,6 +19,7 @@ from plait.tp.styles import (
 from plait.tp.validate import validate_tp_mesh
 
 __all__ = [
+    "GatherSequenceInput",
     "ReplicateParallel",
     "ReplicatedWithGradAllReduce",
     "RotaryEmbeddingParallel",

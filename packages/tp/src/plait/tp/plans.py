@@ -15,6 +15,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from plait.tp.styles import (
+    GatherSequenceInput,
     ReplicatedWithGradAllReduce,
     ReplicateParallel,
     RotaryEmbeddingParallel,
@@ -107,9 +108,6 @@ def llama_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Parall
     layer = base.layers[0]
     sp = sequence_parallel
 
-    def colwise() -> ColwiseParallel:
-        return ColwiseParallel(input_layouts=Shard(1)) if sp else ColwiseParallel()
-
     def rowwise() -> RowwiseParallel:
         return RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sp else RowwiseParallel()
 
@@ -126,9 +124,13 @@ def llama_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Parall
     for norm in ("input_layernorm", "post_attention_layernorm"):
         if hasattr(layer, norm):
             plan[layers + norm] = SequenceParallelNorm() if sp else ReplicateParallel()
+    if sp:  # one all-gather per block feeds all its column-wise projections
+        for block in ("self_attn", "mlp"):
+            if isinstance(getattr(layer, block, None), nn.Module):
+                plan[layers + block] = GatherSequenceInput()
     for name in ("q_proj", "k_proj", "v_proj"):
         if hasattr(attn, name):
-            plan[f"{layers}self_attn.{name}"] = colwise()
+            plan[f"{layers}self_attn.{name}"] = ColwiseParallel()
     if hasattr(attn, "o_proj"):
         plan[f"{layers}self_attn.o_proj"] = rowwise()
     for name in ("q_norm", "k_norm"):
@@ -136,7 +138,7 @@ def llama_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Parall
             plan[f"{layers}self_attn.{name}"] = ReplicatedWithGradAllReduce()
     for name in ("gate_proj", "up_proj"):
         if hasattr(mlp, name):
-            plan[f"{layers}mlp.{name}"] = colwise()
+            plan[f"{layers}mlp.{name}"] = ColwiseParallel()
     if hasattr(mlp, "down_proj"):
         plan[f"{layers}mlp.down_proj"] = rowwise()
     head = _output_head_fqn(model)

@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import Placement
 
 __all__ = [
+    "GatherSequenceInput",
     "ReplicateParallel",
     "ReplicatedWithGradAllReduce",
     "RotaryEmbeddingParallel",
@@ -159,6 +160,42 @@ def _to_full(value: Any) -> Any:
     if isinstance(value, tuple | list):
         return type(value)(_to_full(v) for v in value)
     return value
+
+
+class GatherSequenceInput(ParallelStyle):
+    """All-gather a block's sequence-sharded hidden states once, before its column-wise projections.
+
+    Under sequence parallel an attention or MLP block receives ``Shard(1)`` hidden states; gathering
+    them here (first positional argument, else the ``hidden_states`` keyword, so both plait's and
+    Hugging Face's call conventions work) lets q/k/v or gate/up share one all-gather in forward and
+    one reduce-scatter in backward instead of one each.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_1d(self, device_mesh)
+        module.register_forward_pre_hook(partial(_gather_sequence_pre_hook, device_mesh), with_kwargs=True)
+        return module
+
+
+def _gather_sequence(value: Any, mesh: DeviceMesh) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if not isinstance(value, DTensor):
+        value = DTensor.from_local(value, mesh, (Shard(1),), run_check=False)
+    return value.redistribute(mesh, (Replicate(),)).to_local()
+
+
+def _gather_sequence_pre_hook(
+    mesh: DeviceMesh, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if args:
+        return (_gather_sequence(args[0], mesh), *args[1:]), kwargs
+    if "hidden_states" in kwargs:
+        return args, {**kwargs, "hidden_states": _gather_sequence(kwargs["hidden_states"], mesh)}
+    raise ValueError(
+        f"{type(module).__name__} was called with neither a positional input nor `hidden_states`; "
+        "GatherSequenceInput cannot find the hidden states to gather"
+    )
 
 
 class RotaryEmbeddingParallel(ParallelStyle):
