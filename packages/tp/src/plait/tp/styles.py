@@ -168,7 +168,8 @@ class GatherSequenceInput(ParallelStyle):
     Under sequence parallel an attention or MLP block receives ``Shard(1)`` hidden states; gathering
     them here (first positional argument, else the ``hidden_states`` keyword, so both plait's and
     Hugging Face's call conventions work) lets q/k/v or gate/up share one all-gather in forward and
-    one reduce-scatter in backward instead of one each.
+    one reduce-scatter in backward instead of one each. The block receives a replicated ``DTensor``;
+    its column-wise projections return plain local tensors.
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -182,7 +183,10 @@ def _gather_sequence(value: Any, mesh: DeviceMesh) -> Any:
         return value
     if not isinstance(value, DTensor):
         value = DTensor.from_local(value, mesh, (Shard(1),), run_check=False)
-    return value.redistribute(mesh, (Replicate(),)).to_local()
+    # Stays a replicated DTensor: the projections' input-gradient partial sums then add up as one
+    # Partial DTensor and leave through a single reduce-scatter; a plain tensor here would make each
+    # projection all-reduce its own input gradient (torch's from_local backward).
+    return value.redistribute(mesh, (Replicate(),))
 
 
 def _gather_sequence_pre_hook(
