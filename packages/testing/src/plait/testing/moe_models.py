@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.testing.decoder import RMSNorm
+
 __all__ = [
     "GroupedExperts",
     "MoEAttention",
@@ -59,18 +61,6 @@ class MoEDecoderConfig:
                 f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts that can receive "
                 f"tokens ({self.num_experts} - {len(self.zero_token_experts)} blocked)"
             )
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square layer norm."""
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
 class MoEAttention(nn.Module):
