@@ -93,9 +93,9 @@ def _split_on_fake_pg(model: nn.Module, input_reshard: bool = True) -> list[nn.M
 
 
 def test_tied_frozen_and_getterless_tables_are_not_split() -> None:
-    tied = DenseDecoder(DecoderConfig(tie_word_embeddings=True))
+    tied = DenseDecoder(DecoderConfig(vocab_size=_VOCAB, tie_word_embeddings=True))
     assert _split_on_fake_pg(tied) == []
-    frozen_head = DenseDecoder(DecoderConfig())
+    frozen_head = DenseDecoder(DecoderConfig(vocab_size=_VOCAB))
     frozen_head.lm_head.requires_grad_(False)
     assert _split_on_fake_pg(frozen_head) == [frozen_head.model.embed_tokens]
     assert not isinstance(frozen_head.lm_head, FSDPModule)
@@ -104,7 +104,7 @@ def test_tied_frozen_and_getterless_tables_are_not_split() -> None:
 
 @pytest.mark.parametrize("input_reshard", [True, False])
 def test_output_head_stays_gathered_and_input_follows_the_setting(input_reshard: bool) -> None:
-    model = DenseDecoder(DecoderConfig())
+    model = DenseDecoder(DecoderConfig(vocab_size=_VOCAB))
     assert _split_on_fake_pg(model, input_reshard) == [model.model.embed_tokens, model.lm_head]
 
     def reshards(table: nn.Module) -> bool:
@@ -112,3 +112,37 @@ def test_output_head_stays_gathered_and_input_follows_the_setting(input_reshard:
 
     assert reshards(model.model.embed_tokens) is input_reshard
     assert not reshards(model.lm_head)
+
+
+def test_tables_lighter_than_a_layer_stay_in_the_root() -> None:
+    model = DenseDecoder(DecoderConfig(vocab_size=64))  # 2 x 2,048 elements; one layer 9,216
+    assert _split_on_fake_pg(model) == []
+    assert not isinstance(model.model.embed_tokens, FSDPModule)
+    assert not isinstance(model.lm_head, FSDPModule)
+
+
+class _NormalizedEmbedding(nn.Embedding):
+    """A lookup whose backward needs the weight values (it divides by the row norms)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return nn.functional.normalize(super().forward(input), dim=-1)
+
+
+def _unshards_in_backward(table: nn.Module) -> list[bool]:
+    return [group.unshard_in_backward for group in table._get_fsdp_state()._fsdp_param_groups]
+
+
+def test_only_a_plain_resharding_lookup_skips_the_backward_all_gather() -> None:
+    plain = DenseDecoder(DecoderConfig(vocab_size=_VOCAB))
+    _split_on_fake_pg(plain)
+    assert _unshards_in_backward(plain.model.embed_tokens) == [False]
+    assert _unshards_in_backward(plain.lm_head) == [True]  # a Linear needs its weight for input grads
+
+    custom = DenseDecoder(DecoderConfig(vocab_size=_VOCAB))
+    custom.model.embed_tokens = _NormalizedEmbedding(_VOCAB, _HIDDEN)
+    _split_on_fake_pg(custom)
+    assert _unshards_in_backward(custom.model.embed_tokens) == [True]
+
+    kept = DenseDecoder(DecoderConfig(vocab_size=_VOCAB))
+    _split_on_fake_pg(kept, input_reshard=False)  # never resharded: nothing to gather again
+    assert _unshards_in_backward(kept.model.embed_tokens) == [True]

@@ -78,6 +78,29 @@ def _inside_fsdp_unit(model: nn.Module, target: nn.Module) -> bool:
     return any(owning_prefix(fqn, units) for fqn in target_fqns)
 
 
+def _unit_numel(unit: nn.Module) -> int:
+    """Trainable elements an FSDP unit reduce-scatters (its own parameters, not nested units')."""
+    nested = [m for m in unit.modules() if m is not unit and isinstance(m, FSDPModule)]
+    inner = {id(p) for m in nested for p in m.parameters()}
+    return sum(p.numel() for p in unit.parameters() if p.requires_grad and id(p) not in inner)
+
+
+def _largest_unit_numel(model: nn.Module) -> int:
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    return max((_unit_numel(unit) for unit in units), default=0)
+
+
+def _needs_weight_in_backward(table: nn.Module) -> bool:
+    """False only for plain ``nn.Embedding`` lookups: their gradient needs the indices, not the weight."""
+    for module in table.modules():
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue
+        plain_lookup = type(module).forward is nn.Embedding.forward and getattr(module, "max_norm", 0) is None
+        if not plain_lookup:
+            return True
+    return False
+
+
 def fully_shard_untied_embeddings(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -93,6 +116,12 @@ def fully_shard_untied_embeddings(
     gradients at once; separate units bound that buffer by the larger table. Tied tables (any
     shared parameter) are skipped to keep the alias, frozen tables because they have no gradient
     buffer, and tables that already are (or lie inside) an FSDP unit keep their unit.
+
+    The split only happens when the trainable tables together outweigh the largest FSDP unit
+    already present (the layers): otherwise the root is not the step's largest buffer, and two
+    more units would only add two all-gathers, two reduce-scatters and their hooks per step.
+    A resharding input table that is a plain ``nn.Embedding`` lookup is not all-gathered again
+    in backward (``set_unshard_in_backward(False)``): its gradient needs the indices only.
 
     Args:
         model: Model with ``get_input_embeddings()`` / ``get_output_embeddings()`` (missing = None).
@@ -111,13 +140,15 @@ def fully_shard_untied_embeddings(
         return []
     if {id(p) for p in inp.parameters()} & {id(p) for p in out.parameters()}:
         return []
-    wrapped: list[nn.Module] = []
-    for table, reshard in ((inp, input_reshard_after_forward), (out, False)):
-        params = list(table.parameters())
-        if not params or not all(p.requires_grad for p in params) or _inside_fsdp_unit(model, table):
-            continue
-        if isinstance(table, FSDPModule):
-            continue
+    candidates = [
+        (table, reshard)
+        for table, reshard in ((inp, input_reshard_after_forward), (out, False))
+        if _is_free_trainable_table(model, table)
+    ]
+    tables_numel = sum(p.numel() for table, _ in candidates for p in table.parameters())
+    if tables_numel <= _largest_unit_numel(model):
+        return []
+    for table, reshard in candidates:
         shard_fn(
             table,
             mesh=mesh,
@@ -125,5 +156,14 @@ def fully_shard_untied_embeddings(
             mp_policy=mp_policy or MixedPrecisionPolicy(),
             offload_policy=offload_policy or OffloadPolicy(),
         )
-        wrapped.append(table)
-    return wrapped
+        if reshard and isinstance(table, FSDPModule) and not _needs_weight_in_backward(table):
+            table.set_unshard_in_backward(False)
+    return [table for table, _ in candidates]
+
+
+def _is_free_trainable_table(model: nn.Module, table: nn.Module) -> bool:
+    """A table with parameters, all trainable, not an FSDP unit and not inside one."""
+    params = list(table.parameters())
+    if not params or not all(p.requires_grad for p in params):
+        return False
+    return not isinstance(table, FSDPModule) and not _inside_fsdp_unit(model, table)
