@@ -110,6 +110,7 @@ def run_parity(
     prepare: Callable[[nn.Module], None] | None = None,
     parallelize: Callable[[nn.Module, MeshContext], nn.Module] = parallelize_model,
     inspect: Callable[[nn.Module], dict[str, Any]] | None = None,
+    clip_norm: bool = False,
 ) -> Parity:
     """Compare one step's loss and gradients, params after 2 SGD steps, losses over 3 AdamW steps.
 
@@ -123,6 +124,8 @@ def run_parity(
             reproduce on the parallel copy (e.g. freezing a tower).
         parallelize: the entry point under test.
         inspect: ``model -> dict`` recorded from the parallelized model into ``Parity.extra``.
+        clip_norm: also run torch's plain ``clip_grad_norm_`` on both after the first backward and
+            record the difference of the total norms as ``extra["grad_norm_diff"]``.
     """
     torch.manual_seed(0)
     reference = build()
@@ -141,6 +144,11 @@ def run_parity(
     ref_loss, par_loss = step_losses(0)
     grad_diff, worst_grad = max_grad_diff(reference, model, strip_ddp=strip_ddp)
     grads_compared = sum(p.grad is not None for p in reference.parameters())
+    extra: dict[str, Any] = {}
+    if clip_norm:
+        norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=1e9) for m in (reference, model)]
+        full = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+        extra["grad_norm_diff"] = float((full[0] - full[1]).abs())
     sgd = [
         torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=SGD_LR) for m in (reference, model)
     ]
@@ -171,7 +179,7 @@ def run_parity(
         worst_param=worst_param,
         adamw_loss_diffs=adamw_diffs,
         grads_compared=grads_compared,
-        extra=inspect(model) if inspect is not None else {},
+        extra=extra | (inspect(model) if inspect is not None else {}),
     )
 
 

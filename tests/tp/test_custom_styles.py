@@ -15,6 +15,7 @@ from plait.testing import run_on_ranks
 from plait.testing.parity import full_tensor
 from plait.tp import (
     ReplicatedWithGradAllReduce,
+    ReplicateParallel,
     RotaryEmbeddingParallel,
     SequenceParallelAllGather,
     SequenceParallelNorm,
@@ -113,6 +114,47 @@ def _qk_norm_checks(mesh: Any) -> dict[str, Any]:
     }
 
 
+class _RecordingRMSNorm(nn.RMSNorm):
+    """Notes the type of its weight each time it runs."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.seen: list[str] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(type(self.weight).__name__)
+        return super().forward(x)
+
+
+def _replicate_checks(mesh: Any) -> dict[str, Any]:
+    """A plain input runs the module on local tensors; a DTensor input runs through DTensor."""
+    x = torch.randn(2, 3, 6)  # the same on every rank, as a replicated activation is
+    ref = _RecordingRMSNorm(6)
+    with torch.no_grad():
+        ref.weight.uniform_()
+    out: dict[str, Any] = {}
+    for name, kept_dtensor in (("plain", False), ("dtensor", True)):
+        par = copy.deepcopy(ref)
+        par.seen = []
+        parallelize_module(par, mesh, ReplicateParallel(use_local_output=not kept_dtensor))
+        ref.weight.grad = None
+        ref_out = ref(x)
+        ref_out.pow(3).sum().backward()
+        par_in = DTensor.from_local(x, mesh, [Replicate()]) if kept_dtensor else x
+        par_out = par(par_in)
+        (par_out.full_tensor() if kept_dtensor else par_out).pow(3).sum().backward()
+        out[name] = {
+            "out": _diff(ref_out, par_out),
+            "grad": _diff(ref.weight.grad, par.weight.grad),
+            "grad_placements": par.weight.grad.placements,
+            "out_type": type(par_out).__name__,
+            "weight_in_forward": par.seen,
+            "weight_after": type(par.weight).__name__,
+            "state_dict": {k: type(v).__name__ for k, v in par.state_dict().items()},
+        }
+    return out
+
+
 def _rotary_checks(mesh: Any) -> dict[str, Any]:
     ref, par = PositionsFromHidden(), PositionsFromHidden()
     parallelize_module(par, mesh, RotaryEmbeddingParallel())
@@ -133,6 +175,7 @@ def _all_style_checks() -> dict[str, Any]:
         "embedding": _embedding_checks(mesh),
         "norm": _norm_checks(mesh),
         "qk_norm": _qk_norm_checks(mesh),
+        "replicate": _replicate_checks(mesh),
         "rotary": _rotary_checks(mesh),
     }
 
@@ -153,5 +196,14 @@ def test_custom_styles_match_the_unsharded_modules() -> None:
         q = r["qk_norm"]
         assert q["out"] <= 1e-6 and q["grad"] <= 1e-5 and q["out_type"] == "Tensor", (rank, q)
         assert q["grad_placements"] == (Replicate(),)
+        for name, n in r["replicate"].items():
+            assert n["out"] <= 1e-6 and n["grad"] <= 1e-5, (rank, name, n)
+            assert n["grad_placements"] == (Replicate(),) and n["weight_after"] == "DTensor"
+            assert n["state_dict"] == {"weight": "DTensor"}
+        # Plain activations: the norm runs on its local weight, no DTensor dispatch; the output is plain.
+        assert r["replicate"]["plain"]["weight_in_forward"] == ["Tensor"]
+        assert r["replicate"]["plain"]["out_type"] == "Tensor"
+        assert r["replicate"]["dtensor"]["weight_in_forward"] == ["DTensor"]
+        assert r["replicate"]["dtensor"]["out_type"] == "DTensor"
         rot = r["rotary"]
         assert rot["types"] == ("Tensor", "Tensor") and rot["shape"] == (8, 2) and rot["diff"] == 0.0, rot

@@ -232,11 +232,13 @@ class ReplicateParallel(ParallelStyle):
     """Keep a module whole on every TP rank, its parameters as ``Replicate()`` DTensors.
 
     For modules outside the sharded regions (e.g. norms without sequence parallel) so that every
-    parameter of a TP model is a DTensor (torch's foreach optimizers refuse a mix of plain tensors and
-    DTensors). A plain first input is read as ``input_layouts`` (default ``Replicate()``: every rank
-    holds the same activation); a ``DTensor`` input is used as is. Should the parameter gradients come
-    out partial, a gradient hook sums them over the TP group. The output is a plain tensor unless
-    ``use_local_output=False``.
+    parameter of a TP model is a DTensor on the TP mesh: foreach optimizers and a plain
+    ``clip_grad_norm_`` refuse parameters on different meshes. A plain first input is read as
+    ``input_layouts`` (default ``Replicate()``: every rank holds the same activation) and the module
+    runs on local tensors (the parameters enter through ``to_local``), so it costs no DTensor
+    dispatch; a ``DTensor`` input runs through DTensor as is. Should the parameter gradients come out
+    partial (a ``Shard`` input), a gradient hook sums them over the TP group. The output is a plain
+    tensor unless ``use_local_output=False``.
     """
 
     def __init__(self, *, input_layouts: Placement | None = None, use_local_output: bool = True) -> None:
@@ -254,25 +256,43 @@ class ReplicateParallel(ParallelStyle):
                 replicated.register_hook(_sum_partial_grad)
             module.register_parameter(p_name, replicated)
 
-    def _prepare_input(
-        self, mod: nn.Module, inputs: tuple[Any, ...], device_mesh: DeviceMesh
-    ) -> tuple[Any, ...]:
-        first = inputs[0] if inputs else None
-        if not isinstance(first, torch.Tensor) or isinstance(first, DTensor):
-            return inputs
-        layout = self.input_layouts
-        if isinstance(layout, Shard):
-            layout = Shard(layout.dim % first.ndim)
-        return (DTensor.from_local(first, device_mesh, [layout], run_check=False), *inputs[1:])
-
-    def _prepare_output(self, mod: nn.Module, outputs: Any, device_mesh: DeviceMesh) -> Any:
-        return outputs.to_local() if self.use_local_output and isinstance(outputs, DTensor) else outputs
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_1d(self, device_mesh)
-        return distribute_module(
-            module, device_mesh, self._replicate_params, self._prepare_input, self._prepare_output
-        )
+        distribute_module(module, device_mesh, self._replicate_params)
+        module.forward = partial(_replicated_forward, module, module.forward, self, device_mesh)
+        return module
+
+
+def _replicated_forward(
+    module: nn.Module,
+    forward: Callable[..., Any],
+    style: ReplicateParallel,
+    mesh: DeviceMesh,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    first = args[0] if args else None
+    if isinstance(first, DTensor):
+        out = forward(*args, **kwargs)
+        return out.to_local() if style.use_local_output and isinstance(out, DTensor) else out
+    layout = style.input_layouts
+    # Replicated inputs give every rank the same parameter gradient; sharded ones give partial sums.
+    grad_placement = Replicate() if isinstance(layout, Replicate) else Partial()
+    params = dict(module._parameters)
+    for name, param in params.items():
+        if isinstance(param, DTensor):
+            # Written to the registry directly, as FSDP2 does with its unsharded parameters; the
+            # DTensor parameters are put back below, so state_dict and optimizers never see these.
+            module._parameters[name] = param.to_local(grad_placements=[grad_placement])
+    try:
+        out = forward(*args, **kwargs)
+    finally:
+        module._parameters.update(params)
+    if style.use_local_output or not isinstance(out, torch.Tensor) or not isinstance(first, torch.Tensor):
+        return out
+    if isinstance(layout, Shard):
+        layout = Shard(layout.dim % first.ndim)
+    return DTensor.from_local(out, mesh, [layout], run_check=False)
 
 
 class ReplicatedWithGradAllReduce(ReplicateParallel):
