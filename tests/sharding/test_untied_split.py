@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
@@ -142,6 +143,11 @@ def test_only_a_plain_resharding_lookup_skips_the_backward_all_gather() -> None:
     custom.model.embed_tokens = _NormalizedEmbedding(_VOCAB, _HIDDEN)
     _split_on_fake_pg(custom)
     assert _unshards_in_backward(custom.model.embed_tokens) == [True]
+
+    checkpointed = DenseDecoder(DecoderConfig(vocab_size=_VOCAB))
+    checkpointed.model.embed_tokens = checkpoint_wrapper(checkpointed.model.embed_tokens)
+    _split_on_fake_pg(checkpointed)  # the lookup reruns in backward: it needs its weight
+    assert _unshards_in_backward(checkpointed.model.embed_tokens) == [True]
 
     kept = DenseDecoder(DecoderConfig(vocab_size=_VOCAB))
     _split_on_fake_pg(kept, input_reshard=False)  # never resharded: nothing to gather again

@@ -287,6 +287,14 @@ def summarize(contender: str, runs: list[list[dict[str, Any]]], spec: dict[str, 
     }
 
 
+def _run_order(contenders: list[str], repeat: int) -> list[str]:
+    """Contenders of one repeat: the reference once (its figures are deterministic or informative
+    only), the others in turn, reversed every other repeat (A B B A ...) so that neither always runs
+    right after the other: on a shared machine a fixed order turns load drift into a bias."""
+    order = [c for c in contenders if c != "reference" or repeat == 0]
+    return order if repeat % 2 == 0 else order[::-1]
+
+
 def _json_or_str(text: str) -> Any:
     try:
         return json.loads(text)
@@ -318,7 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FIELD=VALUE",
         help="override an FSDP2Config field for plait (ablations), e.g. enable_fsdp2_prefetch=false",
     )
-    parser.add_argument("--repeat", type=int, default=1, help="run the contenders in turn this many times")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="run baseline and plait this many times each (ABBA order)"
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per contender")
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
     args = parser.parse_args(argv)
@@ -336,8 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         "plait_set": plait_set,
     }
     runs: dict[str, list[list[dict[str, Any]]]] = {c: [] for c in contenders}
-    for _ in range(args.repeat):  # contenders alternate, so slow drifts in machine load hit all alike
-        for contender in contenders:
+    for repeat in range(args.repeat):
+        for contender in _run_order(contenders, repeat):
             runs[contender].append(launch(contender, spec, args.timeout))
     summaries = {c: summarize(c, runs[c], spec) for c in contenders}
     for summary in summaries.values():

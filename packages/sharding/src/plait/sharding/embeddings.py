@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -90,8 +91,15 @@ def _largest_unit_numel(model: nn.Module) -> int:
     return max((_unit_numel(unit) for unit in units), default=0)
 
 
-def _needs_weight_in_backward(table: nn.Module) -> bool:
-    """False only for plain ``nn.Embedding`` lookups: their gradient needs the indices, not the weight."""
+def _needs_weight_in_backward(model: nn.Module, table: nn.Module) -> bool:
+    """False only for plain ``nn.Embedding`` lookups: their gradient needs the indices, not the weight.
+
+    A table under activation checkpointing reruns its forward in backward, so it needs the weight.
+    """
+    wrappers = [fqn for fqn, m in model.named_modules() if isinstance(m, CheckpointWrapper)]
+    table_fqns = [fqn for fqn, m in model.named_modules(remove_duplicate=False) if m is table]
+    if any(owning_prefix(fqn, wrappers) for fqn in table_fqns) or isinstance(model, CheckpointWrapper):
+        return True
     for module in table.modules():
         if not any(True for _ in module.parameters(recurse=False)):
             continue
@@ -156,7 +164,7 @@ def fully_shard_untied_embeddings(
             mp_policy=mp_policy or MixedPrecisionPolicy(),
             offload_policy=offload_policy or OffloadPolicy(),
         )
-        if reshard and isinstance(table, FSDPModule) and not _needs_weight_in_backward(table):
+        if reshard and isinstance(table, FSDPModule) and not _needs_weight_in_backward(model, table):
             table.set_unshard_in_backward(False)
     return [table for table, _ in candidates]
 
