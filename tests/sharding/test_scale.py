@@ -48,7 +48,8 @@ def test_32_layers_on_1024_ranks(shape: tuple[int, ...], rank: int) -> None:
 
     assert units == list(model.model.layers)
     wrapped = [fqn for fqn, m in model.named_modules() if isinstance(m, FSDPModule)]
-    assert wrapped == ["", "model.embed_tokens", *(f"model.layers.{i}" for i in range(_LAYERS)), "lm_head"]
+    layers = [f"model.layers.{i}" for i in range(_LAYERS)]
+    assert wrapped == ["", "model.embed_tokens", *layers, "model.norm", "lm_head"]  # norm: the head's unit
     reshard = [u._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None for u in units]
     assert reshard == [True] * (_LAYERS - 1) + [False]
     for name, param in model.named_parameters():

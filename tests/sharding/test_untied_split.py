@@ -49,7 +49,12 @@ def _largest_reduce_scatter(model: nn.Module, split: bool) -> dict[str, int | li
     ids, labels = make_batch(_VOCAB, 2, 8, seed=dist.get_rank())
     lm_loss(model(input_ids=ids), labels).backward()
     names = {id(m): fqn for fqn, m in model.named_modules()}
-    return {"largest": max(sizes), "calls": len(sizes), "wrapped": [names[id(m)] for m in wrapped]}
+    return {
+        "largest": max(sizes),
+        "calls": len(sizes),
+        "wrapped": [names[id(m)] for m in wrapped],
+        "root_has_params": model._get_fsdp_state()._fsdp_param_group is not None,
+    }
 
 
 def _measure() -> dict[str, dict]:
@@ -78,10 +83,12 @@ def test_untied_split_bounds_the_reduce_scatter_by_the_larger_table() -> None:
         sizes = result["sizes"]
         assert sizes["layer"] < min(sizes["table"], sizes["head"])  # otherwise the bound is not visible
         assert result["split"]["wrapped"] == ["model.embed_tokens", "lm_head"]
-        assert result["split"]["calls"] == result["joint"]["calls"] + 2
-        assert result["split"]["largest"] == max(sizes["table"], sizes["head"])
         root_rest = result["joint"]["largest"] - sizes["table"] - sizes["head"]
         assert 0 < root_rest < sizes["layer"]  # without the split the root carries both tables (+ the norm)
+        # The final norm joins the head's unit: the root keeps no parameters and runs no reduce-scatter.
+        assert result["joint"]["root_has_params"] and not result["split"]["root_has_params"]
+        assert result["split"]["calls"] == result["joint"]["calls"] + 1
+        assert result["split"]["largest"] == max(sizes["table"], sizes["head"] + root_rest)
 
 
 def _split_on_fake_pg(model: nn.Module, input_reshard: bool = True) -> list[nn.Module]:
@@ -113,6 +120,8 @@ def test_output_head_stays_gathered_and_input_follows_the_setting(input_reshard:
 
     assert reshards(model.model.embed_tokens) is input_reshard
     assert not reshards(model.lm_head)
+    head_group = model.lm_head._get_fsdp_state()._fsdp_param_group
+    assert {p._module_info.module for p in head_group.fsdp_params} == {model.lm_head, model.model.norm}
 
 
 def test_tables_lighter_than_a_layer_stay_in_the_root() -> None:

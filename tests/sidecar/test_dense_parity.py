@@ -68,7 +68,8 @@ def structure(model: nn.Module) -> dict[str, Any]:
     params = list(model.parameters())
     meshes = {tuple(p.device_mesh.mesh_dim_names or ()) for p in params if isinstance(p, DTensor)}
     return {
-        "fsdp_units": sum(isinstance(m, FSDPModule) for m in model.modules()),
+        # one unit per fully_shard call: [lm_head, model.norm] share one state
+        "fsdp_units": len({id(m._get_fsdp_state()) for m in model.modules() if isinstance(m, FSDPModule)}),
         "root_is_fsdp": isinstance(model, FSDPModule),
         "dtensor_params": sum(isinstance(p, DTensor) for p in params),
         "params": len(params),

@@ -181,10 +181,10 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
 
 
 def num_fsdp_units(model: nn.Module) -> int:
-    """How many modules ``fully_shard`` turned into FSDP units (the root included)."""
+    """How many ``fully_shard`` calls wrapped the model (the root included; a list of modules is one unit)."""
     from torch.distributed.fsdp import FSDPModule
 
-    return sum(isinstance(m, FSDPModule) for m in model.modules())
+    return len({id(m._get_fsdp_state()) for m in model.modules() if isinstance(m, FSDPModule)})
 
 
 def peak_rss_bytes() -> int:

@@ -22,7 +22,14 @@ from torch.distributed.tensor import DTensor
 from plait.mesh import FSDP2Config, MeshContext
 from plait.train.config import Recipe
 from plait.train.setup import build_mesh_context, build_parallel_model, check_recipe
-from plait.train.summary import describe_mesh, format_bytes, layout_of, model_class_name, pattern_of
+from plait.train.summary import (
+    describe_mesh,
+    format_bytes,
+    fsdp_unit_modules,
+    layout_of,
+    model_class_name,
+    pattern_of,
+)
 
 __all__ = ["CommEstimate", "MAX_WORLD_SIZE", "comm_estimate", "plan"]
 
@@ -34,14 +41,25 @@ def _bytes(dtype: torch.dtype) -> int:
 
 
 def _unit_local_numel(model: nn.Module) -> dict[str, int]:
-    """Local elements each FSDP unit manages (its parameters minus those of nested units)."""
-    units = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    """Local elements each FSDP unit manages (its modules' parameters minus those of nested units)."""
+    modules = {name: m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
     owned: Counter[str] = Counter()
     for pname, param in model.named_parameters():
-        owner = max((u for u in units if u == "" or pname.startswith(u + ".")), key=len, default=None)
+        owner = max((u for u in modules if u == "" or pname.startswith(u + ".")), key=len, default=None)
         if owner is not None:
-            owned[owner] += (param.to_local() if isinstance(param, DTensor) else param).numel()
-    return {u or "<root>": owned[u] for u in units}
+            owned[owner or "<root>"] += (param.to_local() if isinstance(param, DTensor) else param).numel()
+    return {"+".join(names): sum(owned[n] for n in names) for names in fsdp_unit_modules(model).values()}
+
+
+def _regathered_in_backward(model: nn.Module) -> set[str]:
+    """Units whose parameters are all-gathered again in backward (resharded after forward)."""
+    found = set()
+    for names in fsdp_unit_modules(model).values():
+        first = model if names[0] == "<root>" else model.get_submodule(names[0])
+        group = first._get_fsdp_state()._fsdp_param_group  # torch keeps these settings private
+        if group is not None and group.post_forward_mesh_info is not None and group.unshard_in_backward:
+            found.add("+".join(names))
+    return found
 
 
 @dataclass
@@ -94,9 +112,9 @@ def comm_estimate(model: nn.Module, ctx: MeshContext, recipe: Recipe, world_size
         replicas = fsdp.size(0) if fsdp.ndim == 2 else 1
         units = _unit_local_numel(model)
         shard_total = sum(units.values())
-        non_root = shard_total - units.get("<root>", 0)
-        # forward gathers every unit; backward re-gathers the units resharded after forward (all but the root).
-        gathers = (shard_total + non_root) * accum
+        regathered = sum(units[u] for u in _regathered_in_backward(model))
+        # forward gathers every unit; backward again those resharded after forward.
+        gathers = (shard_total + regathered) * accum
         est.fsdp_all_gather = (shard - 1) * gathers * gather_bytes
         est.fsdp_reduce_scatter = (shard - 1) * shard_total * reduce_bytes
         if replicas > 1:

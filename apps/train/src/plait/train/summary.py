@@ -14,7 +14,15 @@ from torch.distributed.tensor import DTensor
 from plait.mesh import MeshContext
 from plait.train.init import clean_fqn
 
-__all__ = ["ModelLayout", "describe_mesh", "format_bytes", "layout_of", "model_class_name", "pattern_of"]
+__all__ = [
+    "ModelLayout",
+    "describe_mesh",
+    "format_bytes",
+    "fsdp_unit_modules",
+    "layout_of",
+    "model_class_name",
+    "pattern_of",
+]
 
 _INDEX = re.compile(r"\.\d+(?=\.|$)")
 
@@ -98,12 +106,19 @@ class ModelLayout:
         return "\n".join(lines)
 
 
-def layout_of(model: nn.Module) -> ModelLayout:
-    """Walk the model once and collect units, TP placements and per-rank parameter counts."""
-    layout = ModelLayout()
+def fsdp_unit_modules(model: nn.Module) -> dict[int, list[str]]:
+    """The FSDP units in module order: one entry per ``fully_shard`` call, keyed by the id of its
+    state, listing the names of the modules it wrapped (``<root>`` for the model itself)."""
+    units: dict[int, list[str]] = {}
     for name, module in model.named_modules():
         if isinstance(module, FSDPModule):
-            layout.fsdp_units.append(name or "<root>")
+            units.setdefault(id(module._get_fsdp_state()), []).append(name or "<root>")
+    return units
+
+
+def layout_of(model: nn.Module) -> ModelLayout:
+    """Walk the model once and collect units, TP placements and per-rank parameter counts."""
+    layout = ModelLayout(fsdp_units=["+".join(names) for names in fsdp_unit_modules(model).values()])
     for name, param in model.named_parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
         layout.total_params += param.numel()

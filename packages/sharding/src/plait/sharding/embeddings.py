@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from plait.sharding._walk import join_fqn, owning_prefix, walk_unit_candidates
+from plait.sharding.layer_groups import LayerGroup, discover_layer_groups
 
 
 def tied_parameter_groups(model: nn.Module) -> list[list[str]]:
@@ -117,6 +118,7 @@ def fully_shard_untied_embeddings(
     offload_policy: OffloadPolicy | None,
     input_reshard_after_forward: bool,
     shard_fn: Callable[..., nn.Module] = fully_shard,
+    layer_groups: Sequence[LayerGroup] | None = None,
 ) -> list[nn.Module]:
     """Give distinct, trainable input and output embedding tables their own FSDP units.
 
@@ -130,6 +132,9 @@ def fully_shard_untied_embeddings(
     more units would only add two all-gathers, two reduce-scatters and their hooks per step.
     A resharding input table that is a plain ``nn.Embedding`` lookup is not all-gathered again
     in backward (``set_unshard_in_backward(False)``): its gradient needs the indices only.
+    The head's unit also takes the trainable modules beside the language layer containers that
+    are not embeddings (the final norm), as torchtitan groups ``[norm, output]``: the root is
+    then left without parameters and runs no collectives of its own.
 
     Args:
         model: Model with ``get_input_embeddings()`` / ``get_output_embeddings()`` (missing = None).
@@ -138,7 +143,8 @@ def fully_shard_untied_embeddings(
         offload_policy: Offload policy of the surrounding units.
         input_reshard_after_forward: Reshard policy of the input table (the output head never reshards:
             it is needed first in backward).
-        shard_fn: The FSDP primitive, ``fully_shard`` by default.
+        shard_fn: The FSDP primitive, ``fully_shard`` by default (called with a module or a list).
+        layer_groups: The model's layer containers (default: ``discover_layer_groups(model)``).
 
     Returns:
         The newly wrapped tables, input first.
@@ -157,8 +163,9 @@ def fully_shard_untied_embeddings(
     if tables_numel <= _largest_unit_numel(model):
         return []
     for table, reshard in candidates:
+        companions = _head_companions(model, layer_groups, inp, out) if table is out else []
         shard_fn(
-            table,
+            [table, *companions] if companions else table,
             mesh=mesh,
             reshard_after_forward=reshard,
             mp_policy=mp_policy or MixedPrecisionPolicy(),
@@ -175,3 +182,34 @@ def _is_free_trainable_table(model: nn.Module, table: nn.Module) -> bool:
     if not params or not all(p.requires_grad for p in params):
         return False
     return not isinstance(table, FSDPModule) and not _inside_fsdp_unit(model, table)
+
+
+def _head_companions(
+    model: nn.Module, layer_groups: Sequence[LayerGroup] | None, inp: nn.Module, out: nn.Module
+) -> list[nn.Module]:
+    """Trainable non-embedding siblings of the language layer containers (e.g. ``model.norm``)."""
+    groups = discover_layer_groups(model) if layer_groups is None else layer_groups
+    tied = {fqn for fqns in tied_parameter_groups(model) for fqn in fqns}
+    found: list[nn.Module] = []
+    for group in groups:
+        if group.kind != "language":
+            continue
+        parent_fqn = group.path.rpartition(".")[0]
+        parent = model.get_submodule(parent_fqn)
+        for name, child in parent.named_children():
+            fqn = join_fqn(parent_fqn, name)
+            params = dict(child.named_parameters())
+            if (
+                child is inp
+                or child is out
+                or isinstance(child, nn.Embedding)
+                or not params
+                or not all(p.requires_grad for p in params.values())
+                or any(join_fqn(fqn, n) in tied for n in params)
+                or any(isinstance(m, FSDPModule) for m in child.modules())
+                or _inside_fsdp_unit(model, child)
+                or any(child is m for m in found)
+            ):
+                continue
+            found.append(child)
+    return found

@@ -104,6 +104,7 @@ class ModelParallelizer:
             cfg.mp_policy,
             cfg.offload_policy,
             input_reshard_after_forward=cfg.reshard_after_forward is not False,
+            layer_groups=groups,
         )
         return fully_shard_root(
             model,
@@ -147,7 +148,7 @@ class ModelParallelizer:
             shard_fn=self._fully_shard_module,
         )
 
-    def _fully_shard_module(self, module: nn.Module, **kwargs: Any) -> nn.Module:
+    def _fully_shard_module(self, module: nn.Module | list[nn.Module], **kwargs: Any) -> nn.Module:
         """Apply the FSDP2 primitive used by this sidecar (``torch.distributed.fsdp.fully_shard``)."""
         return fully_shard(module, **kwargs)
 
@@ -158,6 +159,7 @@ class ModelParallelizer:
         mp_policy: MixedPrecisionPolicy | None,
         offload_policy: OffloadPolicy | None,
         input_reshard_after_forward: bool,
+        layer_groups: list[LayerGroup] | None = None,
     ) -> None:
         """Give large trainable untied embedding tables their own FSDP units.
 
@@ -171,6 +173,7 @@ class ModelParallelizer:
             offload_policy=offload_policy,
             input_reshard_after_forward=input_reshard_after_forward,
             shard_fn=self._fully_shard_module,
+            layer_groups=layer_groups,
         )
 
     def _use_full_layer_activation_checkpointing(self, model: nn.Module) -> bool:
