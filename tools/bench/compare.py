@@ -247,6 +247,15 @@ def launch(contender: str, spec: dict[str, Any], timeout: float) -> list[dict[st
         return json.loads(Path(out).read_text())
 
 
+def _launch_with_retry(contender: str, spec: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    """``launch``, once more on a crash (e.g. the free port taken before rank 0 bound it); said on stderr."""
+    try:
+        return launch(contender, spec, timeout)
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+        print(f"{contender} failed, retrying once: {str(err).strip().splitlines()[-1]}", file=sys.stderr)
+        return launch(contender, spec, timeout)
+
+
 def summarize(contender: str, runs: list[list[dict[str, Any]]], spec: dict[str, Any]) -> dict[str, Any]:
     """One contender's JSON object from its repeated runs (each a list of per-rank measurements).
 
@@ -273,6 +282,7 @@ def summarize(contender: str, runs: list[list[dict[str, Any]]], spec: dict[str, 
         "dtype": "bf16 params / fp32 reduce" if spec["bf16"] and contender != "reference" else "fp32",
         "losses": ranks[0]["losses"],
         "step_time_s": step_s,
+        "step_time_per_run_s": [median(per_step([r["times"] for r in run], WARMUP)) for run in runs],
         "tokens_per_s": tokens / step_s,
         "cpu_s_per_step": cpu_s,
         "runs": len(runs),
@@ -348,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[list[dict[str, Any]]]] = {c: [] for c in contenders}
     for repeat in range(args.repeat):
         for contender in _run_order(contenders, repeat):
-            runs[contender].append(launch(contender, spec, args.timeout))
+            runs[contender].append(_launch_with_retry(contender, spec, args.timeout))
     summaries = {c: summarize(c, runs[c], spec) for c in contenders}
     for summary in summaries.values():
         print(json.dumps(summary), flush=True)
