@@ -168,7 +168,9 @@ def test_plan_llama3_8b_on_1024_ranks():
     assert total / 1024 <= per_rank <= total / 1024 * 1.002
     assert "dp_shard=512 x cp=1 x tp=2" in out
     assert "FSDP units: 35" in out  # root, embed_tokens, 32 layers, [final norm, lm_head]
-    assert "model.layers.*  x32" in out and "  model.embed_tokens\n" in out and "  model.norm+lm_head\n" in out
+    assert (
+        "model.layers.*  x32" in out and "  model.embed_tokens\n" in out and "  model.norm+lm_head\n" in out
+    )
     assert re.search(r"model\.layers\.\*\.self_attn\.q_proj\.weight: dp_shard:[^|\n]*, tp:S\(0\)\n", out)
     assert re.search(r"optimizer \(AdamW exp_avg \+ exp_avg_sq\): [\d,]+ x float32", out)
     assert re.search(r"fsdp_all_gather: [\d.]+ GiB", out) and "tp_activations" in out

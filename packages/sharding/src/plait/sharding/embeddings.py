@@ -102,7 +102,7 @@ def _needs_weight_in_backward(model: nn.Module, table: nn.Module) -> bool:
     if any(owning_prefix(fqn, wrappers) for fqn in table_fqns) or isinstance(model, CheckpointWrapper):
         return True
     for module in table.modules():
-        if not any(True for _ in module.parameters(recurse=False)):
+        if next(module.parameters(recurse=False), None) is None:
             continue
         plain_lookup = type(module).forward is nn.Embedding.forward and getattr(module, "max_norm", 0) is None
         if not plain_lookup:
