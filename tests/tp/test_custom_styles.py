@@ -64,6 +64,7 @@ def _embedding_checks(mesh: Any) -> dict[str, Any]:
             "grad_placements": par.weight.grad.placements,
             "local_rows": par.weight.to_local().shape[0],
             "out_type": type(par_out).__name__,
+            "out_is_view": not isinstance(par_out, DTensor) and par_out._base is not None,
         }
     return out
 
@@ -188,6 +189,7 @@ def test_custom_styles_match_the_unsharded_modules() -> None:
             assert e["grad_placements"] == (Shard(0),), (rank, sp, e)  # the table's gradient stays sharded
             assert e["local_rows"] == [2, 2, 1, 0][rank]
             assert e["out_type"] == ("DTensor" if sp == "sp=True" else "Tensor")
+            assert not e["out_is_view"]  # FSDP2 warns when a unit (the table's) returns a view
         for name, n in r["norm"].items():
             assert n["out"] <= 1e-6 and n["grad"] <= 1e-5, (rank, name, n)
             assert n["grad_placements"] == (Replicate(),), (rank, name, n)  # summed inside the style

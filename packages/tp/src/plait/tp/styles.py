@@ -7,6 +7,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -116,9 +117,26 @@ def _vocab_parallel_forward(
         # An empty slice (more ranks than rows): zeros, still attached to the weight so that every rank
         # records the same backward collectives.
         out = local_weight.new_zeros((*ids.shape, module.embedding_dim)) + local_weight.sum()
+    if style.use_local_output and isinstance(style.output_layouts, Replicate):
+        # A fresh tensor, not DTensor.to_local()'s view: FSDP2 warns when a unit returns a view.
+        return _SumOverGroup.apply(out, mesh.get_group())
     partial_out = DTensor.from_local(out, mesh, [Partial()], run_check=False)
     result = partial_out.redistribute(placements=[style.output_layouts])
     return result.to_local() if style.use_local_output else result
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """Sum per-rank partial results over the TP group; the (replicated) output gradient passes through."""
+
+    @staticmethod
+    def forward(ctx: Any, partial: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        total = partial.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 class SequenceParallelNorm(SequenceParallel):
