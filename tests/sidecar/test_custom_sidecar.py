@@ -61,11 +61,7 @@ def _build() -> nn.Module:
     return PairedDecoder(
         DecoderConfig(
             vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
             num_hidden_layers=LAYERS,
-            num_attention_heads=4,
-            num_key_value_heads=2,
             tie_word_embeddings=True,
         )
     )

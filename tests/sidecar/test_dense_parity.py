@@ -34,14 +34,7 @@ def build_model(kind: str) -> nn.Module:
         from plait.testing.models import DecoderConfig, DenseDecoder
 
         return DenseDecoder(
-            DecoderConfig(
-                vocab_size=VOCAB,
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-            )
+            DecoderConfig(vocab_size=VOCAB)  # the defaults: hidden 32, 2 layers of 9,216 elements
         )
     sizes = dict(
         vocab_size=VOCAB,

@@ -23,16 +23,7 @@ VOCAB = 64
 
 
 def _dense() -> nn.Module:
-    return DenseDecoder(
-        DecoderConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    )
+    return DenseDecoder(DecoderConfig(vocab_size=VOCAB))
 
 
 def _summary(model: nn.Module) -> dict[str, Any]:
