@@ -175,3 +175,67 @@ def test_plan_llama3_8b_on_1024_ranks():
     assert re.search(r"optimizer \(AdamW exp_avg \+ exp_avg_sq\): [\d,]+ x float32", out)
     assert re.search(r"fsdp_all_gather: [\d.]+ GiB", out) and "tp_activations" in out
     assert float(re.search(r"planned in ([\d.]+) s", out).group(1)) < 60
+
+
+def test_compile_trains_and_the_summary_names_device_backend_and_compiled_layers(tmp_path: Path):
+    run_dir = tmp_path / "compiled"
+    overrides = [*SMALL, "model.arch.num_hidden_layers=1", "parallel.tp_size=1", "parallel.compile=true"]
+    overrides += ["train.steps=2", "train.val_every=0", "checkpoint.every=0", "checkpoint.export=false"]
+    proc = _torchrun(1, [*overrides, f"out_dir={run_dir}"])
+    _ok(proc)
+    assert "device cpu | backend gloo | compile on (1 layer compiled)" in proc.stdout
+    losses = _losses(run_dir)
+    assert sorted(losses) == [1, 2] and all(0 < v < 10 for v in losses.values()), losses
+
+
+def _one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("plait-train: error: "), err
+    return err[0]
+
+
+BAD_VOCAB = ["--recipe", "hf_llama", "--set", "model.hf_config.vocab_size=100"]
+
+
+@pytest.mark.parametrize("command", [["validate", "--world-size", "4"], ["plan", "--world-size", "4"], []])
+def test_a_too_small_hf_vocabulary_is_one_line_from_validate_plan_and_train(command: list[str], capsys):
+    line = _one_line_error([*command, *BAD_VOCAB], capsys)
+    assert "model vocab_size 100 is smaller than the vocabulary of tokenizer 'bytes' (257 ids)" in line
+    assert "set model.hf_config.vocab_size >= 257" in line
+
+
+def test_a_too_small_hf_vocabulary_fails_on_every_torchrun_rank(tmp_path: Path):
+    run_dir = tmp_path / "never"
+    proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "plait.train",
+                 *BAD_VOCAB, "--set", f"out_dir={run_dir}"])  # fmt: skip
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("plait-train: error: ")]
+    assert len(lines) == 2 and all("model vocab_size 100" in line for line in lines), proc.stderr[-3000:]
+    assert not run_dir.exists()
+
+
+def test_a_data_glob_matching_nothing_fails_up_front_naming_it(tmp_path: Path, capsys):
+    pattern = str(tmp_path / "nowhere" / "*.jsonl")
+    line = _one_line_error(
+        ["validate", "--set", "data.source=files", "--set", f"data.paths=[{pattern}]"], capsys
+    )
+    assert f"data.paths entry '{pattern}' matches no file" in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without GPUs")
+@pytest.mark.parametrize(
+    ("overrides", "setting"),
+    [
+        (["train.device=cuda"], "train.device 'cuda'"),
+        (["parallel.strategy=megatron_fsdp", "parallel.tp_size=1"], "parallel.strategy 'megatron_fsdp'"),
+        (["parallel.options.offload_policy=cpu", "parallel.tp_size=1"], "parallel.options.offload_policy"),
+    ],
+)
+def test_cuda_only_settings_without_gpus_are_one_line_naming_the_setting(
+    overrides: list[str], setting: str, tmp_path: Path, capsys
+):
+    for command in (["validate"], []):  # [] = train: refused before any rank starts
+        line = _one_line_error([*command, *_sets([*overrides, f"out_dir={tmp_path}/x"])], capsys)
+        assert "no CUDA GPU is available on this machine" in line and setting in line, line
+    assert not (tmp_path / "x").exists()

@@ -107,11 +107,15 @@ class DataConfig:
     """Where tokens come from and how they are batched."""
 
     source: Literal["stdlib", "files"] = "stdlib"
-    """`stdlib`: this Python's standard-library sources; `files`: the text/JSONL `paths`."""
+    """`stdlib`: this Python's standard-library sources; `files`: the local `paths`."""
     paths: list[str] = field(default_factory=list)
-    """Files or glob patterns (`.txt`, `.md`, `.py`, ... as text; `.jsonl` read by `text_key`)."""
+    """Files or glob patterns (`.jsonl`/`.json`/`.parquet` read by `text_key`; others as text)."""
     text_key: str = "text"
-    """JSONL field holding the document text."""
+    """JSON Lines / Parquet field holding the document text."""
+    tokenizer: str = "bytes"
+    """`bytes` (ids 0-255, EOS 256), or a local `tokenizer.json` / HF model directory holding one."""
+    eos_token: str | None = None
+    """End-of-document token of a tokenizer file (None = its tokenizer_config.json, or a usual name)."""
     max_bytes: int | None = 4_000_000
     """Stop reading the corpus after this many bytes (None = everything)."""
     seq_len: int = 128

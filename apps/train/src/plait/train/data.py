@@ -1,10 +1,13 @@
-"""Corpus, byte-level tokens, sequence packing, a resumable sampler over the ``dp`` mesh, validation.
+"""Corpus, tokenization, document packing, a resumable sampler over the ``dp`` mesh, validation.
 
 The built-in corpus is this Python's standard-library sources (``sysconfig.get_paths()["stdlib"]``,
-``*.py``, sorted, without ``site-packages``), so it exists on every machine. Tokens are bytes
-(0-255) plus ``EOS`` after each document. Documents are split into train and validation by index
+``*.py``, sorted, without ``site-packages``), so it exists on every machine. ``data.source: files``
+reads local files in the order of ``data.paths`` (each glob sorted): ``.jsonl`` / ``.json`` as
+JSON Lines (a ``.json`` array of records also works) and ``.parquet`` by the ``data.text_key``
+field, anything else as one text document. Each document is tokenized (:mod:`plait.train.tokenizer`)
+and followed by the tokenizer's EOS. Documents are split into train and validation by index
 (every k-th document is held out; the last one when there are fewer than k), each side
-concatenated and cut into ``seq_len + 1`` windows.
+concatenated (packed) and cut into ``seq_len + 1`` windows.
 
 The sampler walks one global order (a seeded permutation per epoch); each optimizer micro-step
 takes ``micro_batch_size * dp_size`` consecutive positions and data-parallel rank ``r`` keeps the
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 
 from plait.train.config import DataConfig
+from plait.train.tokenizer import BYTE_EOS, ByteTokenizer, Tokenizer
 
 __all__ = [
     "EOS",
@@ -32,6 +36,8 @@ __all__ = [
     "Corpus",
     "GlobalSampler",
     "PackedDataset",
+    "check_corpus_ids",
+    "check_paths",
     "decode",
     "encode",
     "load_corpus",
@@ -40,10 +46,10 @@ __all__ = [
     "synthetic_images",
 ]
 
-EOS = 256
-"""End-of-document token."""
-TOKENIZER_VOCAB = 257
-"""Token ids in use: 256 bytes + EOS."""
+EOS = BYTE_EOS
+"""End-of-document token of the byte tokenizer."""
+TOKENIZER_VOCAB = ByteTokenizer.vocab_size
+"""Token ids of the byte tokenizer: 256 bytes + EOS."""
 
 
 def stdlib_files() -> list[Path]:
@@ -54,36 +60,71 @@ def stdlib_files() -> list[Path]:
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _expand(patterns: list[str]) -> list[Path]:
+def check_paths(cfg: DataConfig) -> list[Path]:
+    """The files of ``data.paths`` in reading order (empty for the stdlib corpus).
+
+    Raises:
+        ValueError: an entry (file or glob pattern) that matches no file, named.
+    """
     files: list[Path] = []
-    for pattern in patterns:
+    for pattern in cfg.paths if cfg.source == "files" else []:
         matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
-        for match in matches:
-            path = Path(match)
-            if not path.is_file():
-                raise ValueError(f"data.paths entry {pattern!r} matches no file ({match!r} is not a file)")
-            files.append(path)
+        found = [Path(m) for m in matches if Path(m).is_file()]
+        if not found:
+            raise ValueError(f"data.paths entry {pattern!r} matches no file (relative to {Path.cwd()})")
+        files.extend(found)
     return files
 
 
-def _documents_of(path: Path, text_key: str) -> Iterator[bytes]:
-    if path.suffix != ".jsonl":
-        yield path.read_bytes()
+def _record_text(record: object, where: str, text_key: str) -> bytes:
+    if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
+        raise ValueError(f"{where}: expected a JSON object with a string {text_key!r} (data.text_key)")
+    return record[text_key].encode("utf-8")
+
+
+def _json_documents(path: Path, text_key: str) -> Iterator[bytes]:
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        for i, record in enumerate(json.loads(text)):
+            yield _record_text(record, f"{path}[{i}]", text_key)
         return
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
-            raise ValueError(
-                f"{path}:{lineno}: expected a JSON object with a string {text_key!r} (data.text_key)"
-            )
-        yield record[text_key].encode("utf-8")
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not a JSON Lines record ({err.msg})") from None
+            yield _record_text(record, f"{path}:{lineno}", text_key)
+
+
+def _parquet_documents(path: Path, text_key: str) -> Iterator[bytes]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"{path}: reading Parquet needs `pyarrow` (pip install pyarrow)") from None
+    table = pq.ParquetFile(path)
+    if text_key not in table.schema_arrow.names:
+        raise ValueError(
+            f"{path}: no column {text_key!r} (data.text_key); columns: {table.schema_arrow.names}"
+        )
+    for batch in table.iter_batches(columns=[text_key]):
+        for value in batch.column(0).to_pylist():
+            if isinstance(value, str):
+                yield value.encode("utf-8")
+
+
+def _documents_of(path: Path, text_key: str) -> Iterator[bytes]:
+    if path.suffix in (".jsonl", ".json"):
+        yield from _json_documents(path, text_key)
+    elif path.suffix == ".parquet":
+        yield from _parquet_documents(path, text_key)
+    else:
+        yield path.read_bytes()
 
 
 def read_documents(cfg: DataConfig) -> list[bytes]:
     """The corpus documents in a fixed order, stopping after ``cfg.max_bytes`` bytes."""
-    files = stdlib_files() if cfg.source == "stdlib" else _expand(cfg.paths)
+    files = stdlib_files() if cfg.source == "stdlib" else check_paths(cfg)
     docs: list[bytes] = []
     total = 0
     for path in files:
@@ -96,9 +137,10 @@ def read_documents(cfg: DataConfig) -> list[bytes]:
     return [d for d in docs if d]
 
 
-def encode(doc: bytes) -> np.ndarray:
-    """Byte tokens of one document followed by EOS."""
-    return np.concatenate([np.frombuffer(doc, dtype=np.uint8).astype(np.int32), np.array([EOS], np.int32)])
+def encode(doc: bytes, tokenizer: Tokenizer | None = None) -> np.ndarray:
+    """Token ids of one document followed by the tokenizer's EOS (default: bytes)."""
+    tok = tokenizer or ByteTokenizer()
+    return np.concatenate([tok.encode(doc), np.array([tok.eos_id], np.int32)])
 
 
 def decode(tokens: list[int] | np.ndarray) -> str:
@@ -134,8 +176,8 @@ class Corpus:
     num_bytes: int
 
 
-def load_corpus(cfg: DataConfig) -> Corpus:
-    """Read, tokenize, split (every k-th document to validation) and pack.
+def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Corpus:
+    """Read, tokenize (default: bytes), split (every k-th document to validation) and pack.
 
     Raises:
         ValueError: a split holds less than one sequence.
@@ -143,8 +185,8 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     docs = read_documents(cfg)
     every = max(2, round(1 / cfg.val_fraction))
     held_out = {i for i in range(len(docs)) if i % every == every - 1} or {len(docs) - 1}
-    train = [encode(d) for i, d in enumerate(docs) if i not in held_out]
-    val = [encode(d) for i, d in enumerate(docs) if i in held_out]
+    train = [encode(d, tokenizer) for i, d in enumerate(docs) if i not in held_out]
+    val = [encode(d, tokenizer) for i, d in enumerate(docs) if i in held_out]
     corpus = Corpus(
         train=PackedDataset(np.concatenate(train) if train else np.zeros(0, np.int32), cfg.seq_len),
         val=PackedDataset(np.concatenate(val) if val else np.zeros(0, np.int32), cfg.seq_len),
@@ -205,3 +247,14 @@ def synthetic_images(indices: list[int], channels: int, size: int, seed: int) ->
         for i in indices
     ]
     return torch.stack(images)
+
+
+def check_corpus_ids(corpus: Corpus, vocab: int) -> None:
+    """Every token id of both splits is below the model's ``vocab`` (else a ValueError naming both)."""
+    for split in ("train", "val"):
+        tokens = getattr(corpus, split).tokens
+        if len(tokens) and int(tokens.max()) >= vocab:
+            raise ValueError(
+                f"the {split} data holds token id {int(tokens.max())} but the model's vocab_size is {vocab}; "
+                f"raise the model's vocab_size to at least {int(tokens.max()) + 1}"
+            )

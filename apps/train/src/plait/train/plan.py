@@ -171,7 +171,7 @@ def plan(recipe: Recipe, world_size: int) -> str:
         raise ValueError(f"--world-size must be in [1, {MAX_WORLD_SIZE}], got {world_size}")
     if dist.is_initialized():
         raise ValueError("plan needs its own fake process group; run it outside a distributed job")
-    config = check_recipe(recipe, world_size)
+    config = check_recipe(recipe, world_size, devices=False)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     start = time.perf_counter()

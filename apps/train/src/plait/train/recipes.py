@@ -17,8 +17,8 @@ from plait.train.config import Recipe, from_dict
 
 __all__ = ["RECIPES_DIR", "apply_overrides", "load_recipe", "parse_override", "resolve_recipe_path"]
 
-RECIPES_DIR = Path(__file__).resolve().parents[3] / "recipes"
-"""The recipes shipped next to the app (`apps/train/recipes`), when running from a checkout."""
+RECIPES_DIR = Path(__file__).resolve().parent / "shipped_recipes"
+"""The shipped recipes (inside the package, so the wheel carries them)."""
 
 
 class _Loader(yaml.SafeLoader):

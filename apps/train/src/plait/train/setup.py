@@ -20,10 +20,10 @@ from plait.mesh import (
     strategy_config_from_dict,
 )
 from plait.sidecar import compile_parallelized_model, parallelize_model
+from plait.train.checks import check_data, check_devices, check_vocabulary
 from plait.train.config import Recipe
-from plait.train.data import TOKENIZER_VOCAB
 from plait.train.init import SafetensorsSource, clean_fqn, materialize
-from plait.train.models import build_model, model_vocab_size
+from plait.train.models import build_model
 
 __all__ = [
     "build_mesh_context",
@@ -61,13 +61,18 @@ def parallelism_sizes(recipe: Recipe) -> ParallelismSizes:
     )
 
 
-def check_recipe(recipe: Recipe, world_size: int) -> StrategyConfig:
+def check_recipe(recipe: Recipe, world_size: int, *, devices: bool = True) -> StrategyConfig:
     """Validate everything that needs no process group; return the strategy config.
+
+    ``devices=False`` skips the checks of this machine's GPUs (``plan`` lays out another cluster).
 
     Raises:
         ValueError / TypeError: an impossible mesh for ``world_size``, a strategy option plait.mesh
-            rejects, expert parallel on a dense model, a model whose vocabulary cannot hold the tokens.
+            rejects, expert parallel on a dense model, a data glob that matches nothing, a model whose
+            vocabulary cannot hold the tokens, a CUDA-only setting on a machine without GPUs.
     """
+    if devices:
+        check_devices(recipe)
     config = strategy_config(recipe)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -77,13 +82,7 @@ def check_recipe(recipe: Recipe, world_size: int) -> StrategyConfig:
             f"parallel.ep_size {recipe.parallel.ep_size} needs an MoE model (model.source: moe), "
             f"got model.source {recipe.model.source!r}"
         )
-    if recipe.model.source != "hf":
-        vocab = model_vocab_size(build_model(recipe.model, "meta"))
-        if vocab < TOKENIZER_VOCAB:
-            raise ValueError(
-                f"model vocab_size {vocab} is smaller than the byte tokenizer's {TOKENIZER_VOCAB} ids; "
-                f"set model.arch.vocab_size >= {TOKENIZER_VOCAB}"
-            )
+    check_vocabulary(recipe, check_data(recipe))
     return config
 
 
@@ -131,5 +130,5 @@ def build_parallel_model(
     if meta and materialise:
         materialize(model, seed=seed, device=device, source=source)
     if recipe.parallel.compile:
-        model = compile_parallelized_model(model, ctx)
+        compile_parallelized_model(model, ctx)  # compiles the layers in place, returns None
     return model

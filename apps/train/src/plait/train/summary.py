@@ -16,6 +16,7 @@ from plait.train.init import clean_fqn
 
 __all__ = [
     "ModelLayout",
+    "compile_text",
     "describe_mesh",
     "format_bytes",
     "fsdp_unit_modules",
@@ -148,3 +149,10 @@ def describe_mesh(ctx: MeshContext, world_size: int) -> str:
     sp = getattr(ctx.strategy_config, "sequence_parallel", False) and ctx.tp_size > 1
     parts.append(f"sp={'on' if sp else 'off'} ac={ctx.activation_checkpointing or 'off'}")
     return " | ".join(parts)
+
+
+def compile_text(model: nn.Module) -> str:
+    """``on (N layers compiled)`` after ``torch.compile`` of submodules in place, else ``off``."""
+    # nn.Module.compile() stores the compiled forward in _compiled_call_impl (no public accessor).
+    count = sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+    return f"on ({count} layer{'s' if count != 1 else ''} compiled)" if count else "off"

@@ -26,13 +26,22 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from plait.mesh import DistributedInfo, MeshContext, StrategyConfig, init_distributed
 from plait.train.checkpoint import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
+from plait.train.checks import check_vocabulary
 from plait.train.config import Recipe, to_dict
-from plait.train.data import Corpus, GlobalSampler, PackedDataset, load_corpus, synthetic_images
+from plait.train.data import (
+    Corpus,
+    GlobalSampler,
+    PackedDataset,
+    check_corpus_ids,
+    load_corpus,
+    synthetic_images,
+)
 from plait.train.metrics import MetricsLogger, memory_mib
 from plait.train.models import hf_logits
 from plait.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from plait.train.setup import build_mesh_context, build_parallel_model, check_recipe
-from plait.train.summary import describe_mesh, layout_of, model_class_name
+from plait.train.summary import compile_text, describe_mesh, layout_of, model_class_name
+from plait.train.tokenizer import load_tokenizer
 
 __all__ = ["FAIL_AT_STEP_ENV", "SetupError", "Trainer", "run"]
 
@@ -80,7 +89,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, recipe.optim)
         self.scheduler = build_scheduler(self.optimizer, recipe.optim, recipe.train.steps)
         self._init_data_parallel()
-        self.corpus: Corpus = load_corpus(recipe.data)
+        self.tokenizer = load_tokenizer(recipe.data.tokenizer, recipe.data.eos_token)
+        self.corpus: Corpus = load_corpus(recipe.data, self.tokenizer)
+        check_corpus_ids(self.corpus, check_vocabulary(recipe, self.tokenizer))
         self.sampler = GlobalSampler(
             len(self.corpus.train),
             recipe.data.micro_batch_size,
@@ -225,9 +236,10 @@ class Trainer:
             [
                 f"run {self.recipe.name} -> {self.run_dir}",
                 describe_mesh(self.ctx, self.info.world_size),
+                f"device {self.device} | backend {dist.get_backend()} | compile {compile_text(self.model)}",
                 f"model {model_class_name(self.model)} ({self.recipe.model.source}, preset {self.recipe.model.preset})",
                 layout.text(),
-                f"data {self.recipe.data.source}: {corpus.num_documents} documents, {corpus.num_bytes:,} bytes, "
+                f"data {self.recipe.data.source} (tokenizer {self.tokenizer.name}): {corpus.num_documents} documents, {corpus.num_bytes:,} bytes, "
                 f"{len(corpus.train)} train / {len(corpus.val)} val sequences of {self.recipe.data.seq_len} tokens",
                 f"global batch {self.recipe.data.micro_batch_size * self.dp_size * self.recipe.train.grad_accum} "
                 f"sequences (micro {self.recipe.data.micro_batch_size} x dp {self.dp_size} x accum "
