@@ -2,7 +2,14 @@
 
 from plait.mesh.axes import MeshAxisName, validate_axis_names
 from plait.mesh.build import build_device_mesh, build_moe_mesh, default_device_type, plan_meshes
-from plait.mesh.configs import DDPConfig, FSDP2Config, MegatronFSDPConfig, MoEConfig, default_mp_policy
+from plait.mesh.configs import (
+    CP_ATTENTION_VARIANTS,
+    DDPConfig,
+    FSDP2Config,
+    MegatronFSDPConfig,
+    MoEConfig,
+    default_mp_policy,
+)
 from plait.mesh.context import MeshContext
 from plait.mesh.distributed import DistributedInfo, init_distributed
 from plait.mesh.normalize import (
@@ -17,6 +24,7 @@ from plait.mesh.sizes import ParallelismSizes
 from plait.mesh.strategy import StrategyConfig, strategy_config_from_dict, strategy_name
 
 __all__ = [
+    "CP_ATTENTION_VARIANTS",
     "ActivationCheckpointing",
     "DDPConfig",
     "DistributedInfo",

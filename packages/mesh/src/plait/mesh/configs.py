@@ -18,7 +18,17 @@ from plait.mesh.parsing import (
     parse_offload_policy,
 )
 
-__all__ = ["DDPConfig", "FSDP2Config", "MegatronFSDPConfig", "MoEConfig", "default_mp_policy"]
+__all__ = [
+    "CP_ATTENTION_VARIANTS",
+    "DDPConfig",
+    "FSDP2Config",
+    "MegatronFSDPConfig",
+    "MoEConfig",
+    "default_mp_policy",
+]
+
+CP_ATTENTION_VARIANTS = ("all_gather", "ring")
+"""Values of ``FSDP2Config.cp_attention``."""
 
 
 def default_mp_policy() -> MixedPrecisionPolicy:
@@ -106,6 +116,8 @@ class FSDP2Config(_Config):
     """How many preceding units each unit all-gathers ahead of time in backward; 0 = off."""
     frozen_multimodal_sharding: str = "root"
     """Fully frozen towers/projectors: ``root`` (in the root unit), ``per_layer`` or ``replicate``."""
+    cp_attention: str = "all_gather"
+    """Context-parallel attention (cp > 1): ``all_gather`` (gather K/V over cp) or ``ring`` (pass K/V round)."""
 
     def _normalize(self) -> None:
         self._set("mp_policy", parse_mp_policy("FSDP2Config.mp_policy", self.mp_policy))
@@ -126,6 +138,10 @@ class FSDP2Config(_Config):
             raise ValueError(
                 "FSDP2Config.enable_async_tensor_parallel=True needs sequence_parallel=True; "
                 "turn sequence_parallel on or async TP off"
+            )
+        if self.cp_attention not in CP_ATTENTION_VARIANTS:
+            raise ValueError(
+                f"FSDP2Config.cp_attention must be one of {list(CP_ATTENTION_VARIANTS)}, got {self.cp_attention!r}"
             )
 
 

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from plait.cp import check_context_parallel_support
 from plait.mesh import DDPConfig, FSDP2Config, MegatronFSDPConfig
 from plait.sharding import discover_layer_groups
 from plait.strategies import parallelize_ddp, parallelize_megatron_fsdp, parallelize_moe
@@ -20,6 +21,7 @@ def _apply_model_parallelizer(
 ) -> nn.Module:
     """Run the strategy ``mesh_context`` asks for, with ``parallelizer``'s hooks; return the model."""
     config = mesh_context.strategy_config
+    check_context_parallel_support(mesh_context)  # cp > 1 only where the cp step runs
     if mesh_context.ep_size > 1:
         return _parallelize_moe(model, mesh_context, parallelizer)
     if isinstance(config, FSDP2Config):

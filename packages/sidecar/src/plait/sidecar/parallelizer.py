@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from plait.cp import apply_context_parallel
 from plait.sharding import (
     LayerGroup,
     apply_activation_checkpointing,
@@ -65,6 +66,7 @@ class ModelParallelizer:
         """
         cfg, fsdp_mesh = mesh_context.strategy_config, mesh_context.fsdp_mesh()
         groups = discover_layer_groups(model, self.layer_group_paths)
+        apply_context_parallel(model, mesh_context)  # cp > 1: attention over the sharded sequence
         if mesh_context.tp_size > 1:
             tp_mesh = mesh_context.tp_mesh()
             self._validate_tp_mesh(model, tp_mesh)

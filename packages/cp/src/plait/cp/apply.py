@@ -1,0 +1,158 @@
+"""`apply_context_parallel`: the cp step of the shared flow — check every attention, then swap it.
+
+Two kinds of attention are handled, without changing a model class:
+- a module with an ``attention_fn`` attribute (SDPA semantics ``(q, k, v, *, is_causal, scale,
+  enable_gqa)``, as plait's reference decoders have): the attribute is set to a
+  `ContextParallelAttention`;
+- a transformers model that dispatches through ``AttentionInterface``: switched to ``"plait_cp"``.
+Anything else that looks like attention (``nn.MultiheadAttention``, a class named ``*Attention``
+neither of those reaches, sliding windows, soft-capping) is refused by name before anything is
+changed and before any collective, identically on every rank.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from plait.cp.attention import ContextParallelAttention
+from plait.cp.hf import attach_hf, hf_module_refusal, hf_refusal, is_hf_model
+from plait.cp.layout import cp_mesh, global_positions
+from plait.mesh import FSDP2Config
+
+if TYPE_CHECKING:
+    from plait.mesh import MeshContext
+
+__all__ = ["apply_context_parallel", "check_context_parallel_support"]
+
+_FORWARD_ONLY_KWARGS = ("labels", "use_cache", "past_key_values", "cache")
+
+
+def check_context_parallel_support(mesh_context: MeshContext) -> None:
+    """Refuse (ValueError) cp > 1 with anything the cp step does not build: call before any collective."""
+    cp = mesh_context.cp_size
+    if cp == 1:
+        return
+    config = mesh_context.strategy_config
+    if not isinstance(config, FSDP2Config):
+        raise ValueError(
+            f"cp_size={cp} is built for FSDP2 only, got {type(config).__name__}; use FSDP2Config or cp_size 1"
+        )
+    for what, size in (("ep_size", mesh_context.ep_size), ("pp_size", mesh_context.pp_size)):
+        if size > 1:
+            raise ValueError(f"cp_size={cp} with {what}={size} is not built yet; set one of them to 1")
+
+
+def apply_context_parallel(model: nn.Module, mesh_context: MeshContext) -> nn.Module:
+    """Make every attention of ``model`` attend over the cp-sharded sequence (no-op when cp is 1).
+
+    Inputs must then be split with `plait.cp.shard_sequence` and the forward given its
+    ``position_ids``; a forward without them, with a padding ``attention_mask``, ``labels`` (the
+    model would shift them across chunk boundaries) or a KV cache is refused before it runs.
+
+    Raises:
+        ValueError: naming the module and the reason, for an attention this step cannot handle, or
+            for a combination `check_context_parallel_support` refuses; nothing is changed then.
+    """
+    check_context_parallel_support(mesh_context)
+    mesh = cp_mesh(mesh_context)
+    if mesh is None:
+        return model
+    attention = ContextParallelAttention(mesh, mesh_context.strategy_config.cp_attention)
+    fn_modules, hf_models = _find_attention(model)
+    for module in fn_modules:
+        module.attention_fn = attention
+    for hf_model, modules in hf_models:
+        attach_hf(hf_model, modules, attention)
+    model.register_forward_pre_hook(_InputGuard(mesh.size(), mesh.get_local_rank()), with_kwargs=True)
+    return model
+
+
+def _find_attention(model: nn.Module) -> tuple[list[nn.Module], list[tuple[nn.Module, list[nn.Module]]]]:
+    """``attention_fn`` modules and ``(hf_model, its attention modules)``; raises for anything else."""
+    fn_modules: list[nn.Module] = []
+    hf_models: list[tuple[nn.Module, list[nn.Module]]] = []
+    problems: list[str] = []
+    claimed: set[int] = set()
+    for name, module in model.named_modules():
+        if id(module) in claimed:
+            continue
+        if is_hf_model(module):
+            why = hf_refusal(module)
+            if why is not None:
+                problems.append(f"{name or '<root>'}: {why}")
+            modules = []
+            for sub_name, sub in module.named_modules():
+                claimed.add(id(sub))
+                if _looks_like_attention(sub):
+                    modules.append(sub)
+                    if sub_why := hf_module_refusal(sub):
+                        problems.append(f"{_join(name, sub_name)}: {sub_why}")
+            hf_models.append((module, modules))
+        elif callable(getattr(module, "attention_fn", None)):
+            fn_modules.append(module)
+        elif _looks_like_attention(module):
+            problems.append(
+                f"{name or '<root>'} ({type(module).__name__}): computes attention itself; give it an "
+                "attention_fn attribute with SDPA semantics, or use a transformers model"
+            )
+    if not problems and not fn_modules and not any(mods for _, mods in hf_models):
+        problems.append(f"<root> ({type(model).__name__}): no attention found to split over cp")
+    if problems:
+        raise ValueError(
+            "context parallel (cp_size > 1) cannot handle this model's attention:\n  " + "\n  ".join(problems)
+        )
+    return fn_modules, hf_models
+
+
+def _looks_like_attention(module: nn.Module) -> bool:
+    return isinstance(module, nn.MultiheadAttention) or type(module).__name__.endswith("Attention")
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name or "<root>"
+
+
+class _InputGuard:
+    """Forward pre-hook: the inputs must be this rank's load-balanced part, with its global positions."""
+
+    def __init__(self, cp_size: int, cp_rank: int) -> None:
+        self.cp_size, self.cp_rank = cp_size, cp_rank
+        self._checked: Any = None
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        for key in _FORWARD_ONLY_KWARGS:
+            value = kwargs.get(key)
+            if value is not None and value is not False:
+                raise ValueError(
+                    f"{type(module).__name__} under cp_size={self.cp_size}: {key}= is not supported; compute the "
+                    "loss outside the model with labels split by plait.cp.shard_sequence, and train without a KV cache"
+                )
+        mask = kwargs.get("attention_mask")
+        if mask is not None and not bool(mask.all()):
+            raise ValueError(
+                f"{type(module).__name__} under cp_size={self.cp_size}: a padding attention_mask cannot be honoured "
+                "across cp ranks; pack the sequences without padding"
+            )
+        self._check_positions(module, kwargs.get("position_ids"))
+
+    def _check_positions(self, module: nn.Module, positions: torch.Tensor | None) -> None:
+        if positions is None:
+            raise ValueError(
+                f"{type(module).__name__} under cp_size={self.cp_size} needs position_ids=: pass the batch "
+                "from plait.cp.shard_sequence (its position_ids are the tokens' global positions)"
+            )
+        if self._checked is not None and self._checked() is positions:
+            return
+        local = positions.shape[-1]
+        expected = global_positions(local * self.cp_size, self.cp_rank, self.cp_size, device=positions.device)
+        if not bool((positions == expected).all()):
+            raise ValueError(
+                f"{type(module).__name__} under cp_size={self.cp_size}: position_ids on cp rank {self.cp_rank} "
+                "are not the global positions plait.cp.shard_sequence gives (packed or offset sequences are not "
+                "supported under cp)"
+            )
+        self._checked = weakref.ref(positions)

@@ -1,0 +1,99 @@
+"""`ContextParallelAttention`: a drop-in for ``F.scaled_dot_product_attention`` over a cp-sharded sequence."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from plait.cp.variants import all_gather_attention, ring_attention
+from plait.mesh import CP_ATTENTION_VARIANTS
+
+__all__ = ["ContextParallelAttention"]
+
+
+class ContextParallelAttention:
+    """SDPA semantics for queries/keys/values that hold this cp rank's part of the sequence.
+
+    Call it like ``F.scaled_dot_product_attention(q, k, v, is_causal=..., scale=..., enable_gqa=...)``
+    with ``[batch, heads, local_seq, head_dim]`` tensors laid out by `plait.cp.shard_sequence` (a head
+    and a tail chunk per rank); the result is this rank's part of the attention over the whole
+    sequence. Masks come from the chunks' global positions. An explicit ``attn_mask`` or dropout is
+    refused: neither is implemented across ranks.
+
+    Args:
+        mesh: the 1-D ``cp`` mesh.
+        variant: ``"all_gather"`` or ``"ring"`` (see `plait.cp.variants`).
+    """
+
+    def __init__(self, mesh: DeviceMesh, variant: str = "all_gather") -> None:
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"ContextParallelAttention needs the 1-D cp mesh, got dims {mesh.mesh_dim_names}"
+            )
+        if variant not in CP_ATTENTION_VARIANTS:
+            raise ValueError(
+                f"cp attention variant must be one of {list(CP_ATTENTION_VARIANTS)}, got {variant!r}"
+            )
+        self.mesh = mesh
+        self.variant = variant
+
+    def __repr__(self) -> str:
+        return f"ContextParallelAttention(cp={self.mesh.size()}, variant={self.variant!r})"
+
+    @torch.compiler.disable  # point-to-point and gather collectives inside autograd functions
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        *,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        if attn_mask is not None:
+            raise ValueError(
+                "context-parallel attention cannot honour an explicit attn_mask (it spans ranks); "
+                "use is_causal, or run this model with cp_size 1"
+            )
+        if dropout_p:
+            raise ValueError(
+                f"context-parallel attention does not implement dropout, got dropout_p={dropout_p}"
+            )
+        q, k, v = _grouped(query, key, value, enable_gqa)
+        scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"attention scale must be finite, got {scale}")
+        group = self.mesh.get_group()
+        fn = ring_attention if self.variant == "ring" else all_gather_attention
+        return fn(q, k, v, group, bool(is_causal), scale).flatten(1, 2)
+
+
+def _grouped(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[B, Hkv, G, L, D]`` queries and ``[B, Hkv, 1, L, D]`` keys/values, validated."""
+    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+        raise ValueError(
+            "context-parallel attention takes [batch, heads, seq, head_dim] tensors, got shapes "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    heads, kv_heads, seq = query.shape[1], key.shape[1], query.shape[2]
+    if key.shape != value.shape or key.shape[2] != seq or key.shape[-1] != query.shape[-1]:
+        raise ValueError(
+            "context-parallel attention needs keys and values shaped like the queries (self-attention, "
+            f"same head_dim), got q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}"
+        )
+    if heads != kv_heads and (not enable_gqa or heads % kv_heads):
+        raise ValueError(
+            f"{heads} query heads and {kv_heads} key/value heads need enable_gqa=True and heads % kv_heads == 0"
+        )
+    if seq % 2:
+        raise ValueError(
+            f"the local sequence ({seq}) must hold two equal chunks; shard it with plait.cp.shard_sequence"
+        )
+    return query.unflatten(1, (kv_heads, heads // kv_heads)), key.unsqueeze(2), value.unsqueeze(2)

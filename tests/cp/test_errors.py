@@ -1,0 +1,100 @@
+"""What context parallel refuses, on every rank before any collective (fake process group, one process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from plait.cp import apply_context_parallel, global_positions
+from plait.mesh import FSDP2Config, MegatronFSDPConfig, MeshContext, ParallelismSizes
+from tests.cp._cp_parity import build_model
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+
+
+class CrossAttention(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class _Custom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Block()])
+        self.xattn = CrossAttention()
+
+
+def _ctx(**sizes: int) -> MeshContext:
+    return MeshContext.build(FSDP2Config(mp_policy=None), ParallelismSizes(cp_size=2, **sizes))
+
+
+def test_unknown_attention_is_refused_by_name(fake_pg) -> None:
+    with fake_pg(2):
+        model = _Custom()
+        with pytest.raises(ValueError, match=r"layers\.0\.mha \(MultiheadAttention\)") as err:
+            apply_context_parallel(model, _ctx())
+        assert "xattn (CrossAttention)" in str(err.value)
+        with pytest.raises(ValueError, match=r"<root> \(Linear\): no attention found"):
+            apply_context_parallel(nn.Linear(2, 2), _ctx())
+
+
+def test_sliding_window_and_dropout_are_refused(fake_pg) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    with fake_pg(2):
+        config = Qwen3Config(
+            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, use_sliding_window=True, sliding_window=4, max_window_layers=0,
+        )  # fmt: skip
+        with pytest.raises(ValueError, match="sliding-window attention"):
+            apply_context_parallel(Qwen3ForCausalLM(config), _ctx())
+        llama = build_model("llama")
+        llama.config.attention_dropout = 0.1
+        with pytest.raises(ValueError, match=r"attention_dropout=0\.1"):
+            apply_context_parallel(llama, _ctx())
+        assert llama.config._attn_implementation == "sdpa"  # nothing changed
+
+
+@pytest.mark.parametrize(
+    ("config", "sizes", "match"),
+    [
+        (MegatronFSDPConfig(), {}, "built for FSDP2 only, got MegatronFSDPConfig"),
+        (FSDP2Config(mp_policy=None), {"ep_size": 2}, "with ep_size=2 is not built"),
+    ],
+)
+def test_unbuilt_combinations_are_refused(fake_pg, config, sizes, match) -> None:
+    """parallelize_model refuses them before any strategy runs (the MoE and Megatron-FSDP paths included)."""
+    parallelize_model = pytest.importorskip("plait.sidecar").parallelize_model
+    with fake_pg(4):
+        ctx = MeshContext.build(config, ParallelismSizes(cp_size=2, **sizes))
+        with pytest.raises(ValueError, match=match):
+            parallelize_model(build_model("llama"), ctx)
+
+
+def test_config_names_the_variant() -> None:
+    assert FSDP2Config().cp_attention == "all_gather"
+    with pytest.raises(
+        ValueError, match=r"cp_attention must be one of \['all_gather', 'ring'\], got 'ulysses'"
+    ):
+        FSDP2Config(cp_attention="ulysses")
+
+
+def test_forward_refuses_inputs_not_split_by_shard_sequence(fake_pg) -> None:
+    with fake_pg(2, rank=1):
+        model = apply_context_parallel(build_model("llama"), _ctx())
+        assert model.config._attn_implementation == "plait_cp"
+        ids = torch.zeros(1, 8, dtype=torch.long)
+        good = global_positions(16, 1, 2)[None]
+        with pytest.raises(ValueError, match="needs position_ids="):
+            model(input_ids=ids)
+        with pytest.raises(ValueError, match="are not the global positions"):
+            model(input_ids=ids, position_ids=torch.arange(8)[None])
+        with pytest.raises(ValueError, match="labels= is not supported"):
+            model(input_ids=ids, position_ids=good, labels=ids)
+        with pytest.raises(ValueError, match="padding attention_mask"):
+            model(input_ids=ids, position_ids=good, attention_mask=torch.zeros(1, 8))

@@ -1,0 +1,52 @@
+"""Context parallel end to end through `parallelize_model`: loss, every gradient, params after 2 SGD steps.
+
+Both variants on HF Llama and Qwen3 (fp32, gloo). Each multi-rank body runs several configurations
+so the workers are reused; the full matrix (8 ranks, the reference decoder) is in
+``tools/bench/cp_bench.py --parity``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from plait.testing import run_on_ranks
+from tests.cp._cp_parity import cp_parity
+
+pytest.importorskip("plait.sidecar", reason="end to end through parallelize_model (plait-sidecar)")
+
+TWO_RANKS: list[tuple[Any, ...]] = [
+    ("llama", {"cp_size": 2}, {"cp_attention": "all_gather"}),
+    ("qwen3", {"cp_size": 2}, {"cp_attention": "ring"}),
+]
+FOUR_RANKS: list[tuple[Any, ...]] = [
+    ("llama", {"cp_size": 4}, {"cp_attention": "ring"}),
+    ("qwen3", {"cp_size": 4}, {"cp_attention": "all_gather"}),
+    ("qwen3", {"cp_size": 2}, {"cp_attention": "ring"}),  # dp_shard 2 x cp 2
+    ("llama", {"cp_size": 2, "tp_size": 2}, {"cp_attention": "all_gather", "sequence_parallel": True}),
+    ("llama", {"cp_size": 2, "tp_size": 2}, {"cp_attention": "ring"}, "full"),  # + activation checkpointing
+]
+
+
+def _run(cases: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+    return [cp_parity(*case) for case in cases]
+
+
+def _check(cases: list[tuple[Any, ...]], world: int) -> None:
+    for rank, results in enumerate(run_on_ranks(_run, world, cases, timeout=400)):
+        for case, r in zip(cases, results, strict=True):
+            label = f"rank {rank} {case}"
+            assert r["compared"] >= 20, label
+            assert r["local_seq"] == 16 // case[1]["cp_size"], label  # the sequence really was split
+            assert r["loss_diff"] <= 1e-5, (label, r)
+            assert r["grad_rel"] <= 1e-5, (label, r)
+            assert r["param_diff"] <= 1e-5, (label, r)
+
+
+def test_cp2_both_variants_hf() -> None:
+    _check(TWO_RANKS, 2)
+
+
+def test_cp4_and_with_fsdp_tp_sp_ac() -> None:
+    _check(FOUR_RANKS, 4)
