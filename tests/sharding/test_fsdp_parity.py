@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from plait.models import DecoderConfig, DenseDecoder
 from plait.sharding import (
     apply_activation_checkpointing,
     apply_fsdp_sharding,
@@ -20,7 +21,6 @@ from plait.sharding import (
     fully_shard_untied_embeddings,
 )
 from plait.testing import run_on_ranks
-from plait.testing.models import DecoderConfig, DenseDecoder
 from tests.sharding._parity import Parity, run_parity, token_batches
 
 

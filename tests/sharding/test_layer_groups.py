@@ -6,8 +6,9 @@ import pytest
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+from plait.models import VLM as TinyVLM
+from plait.models import DecoderConfig, DenseDecoder
 from plait.sharding import LayerGroup, apply_activation_checkpointing, discover_layer_groups
-from plait.testing.models import DecoderConfig, DenseDecoder, TinyVLM
 
 
 class _Layer(nn.Module):

@@ -14,6 +14,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from plait.models import VLM as TinyVLM
+from plait.models import DecoderConfig, VisionConfig, VLMConfig, freeze_vision
 from plait.sharding import (
     apply_fsdp_sharding,
     find_frozen_multimodal_modules,
@@ -22,7 +24,7 @@ from plait.sharding import (
     fully_shard_root,
 )
 from plait.testing import run_on_ranks
-from plait.testing.models import DecoderConfig, TinyVLM, VisionConfig, VLMConfig, freeze_vision, make_batch
+from plait.testing.models import make_batch
 from tests.sharding._parity import Inputs, Parity, run_parity
 
 _VOCAB = 64

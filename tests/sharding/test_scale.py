@@ -7,9 +7,9 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
+from plait.models import DecoderConfig, DenseDecoder
 from plait.sharding import apply_fsdp_sharding, fully_shard_root, fully_shard_untied_embeddings
 from plait.testing.fake_pg import fake_process_group
-from plait.testing.models import DecoderConfig, DenseDecoder
 
 _LAYERS, _VOCAB, _HIDDEN = 32, 4096, 64
 

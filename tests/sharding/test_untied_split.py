@@ -13,10 +13,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
+from plait.models import DecoderConfig, DenseDecoder
 from plait.sharding import apply_fsdp_sharding, fully_shard_root, fully_shard_untied_embeddings
 from plait.testing import run_on_ranks
 from plait.testing.fake_pg import fake_process_group
-from plait.testing.models import DecoderConfig, DenseDecoder, lm_loss, make_batch
+from plait.testing.models import lm_loss, make_batch
 
 _VOCAB, _HIDDEN = 512, 32  # one table: 16,384 elements; one layer: about 9,000
 

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.mesh import DDPConfig, FSDP2Config, MeshContext
+from plait.models import DecoderConfig, DenseDecoder
 from plait.sidecar import compile_parallelized_model, parallelize_model
 from plait.testing import run_on_ranks
-from plait.testing.models import DecoderConfig, DenseDecoder
 
 VOCAB = 32
 

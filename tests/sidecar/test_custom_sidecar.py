@@ -10,9 +10,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
 from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
+from plait.models import DecoderConfig, DenseDecoder
 from plait.sidecar import ModelParallelizer, get_model_parallelizer, parallelize_model
 from plait.testing import run_on_ranks
-from plait.testing.models import DecoderConfig, DenseDecoder
 from tests.sidecar._parity import Parity, assert_parity, run_parity
 
 VOCAB = 64

@@ -31,7 +31,7 @@ CASES: dict[str, tuple[ParallelismSizes, dict[str, Any], str | bool]] = {
 def build_model(kind: str) -> nn.Module:
     """A tiny seeded decoder: ``dense`` (plait reference), ``llama`` or ``qwen3`` (Hugging Face)."""
     if kind == "dense":
-        from plait.testing.models import DecoderConfig, DenseDecoder
+        from plait.models import DecoderConfig, DenseDecoder
 
         return DenseDecoder(
             DecoderConfig(vocab_size=VOCAB)  # the defaults: hidden 32, 2 layers of 9,216 elements

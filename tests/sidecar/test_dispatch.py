@@ -13,10 +13,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from plait.mesh import DDPConfig, FSDP2Config, MegatronFSDPConfig, MeshContext, MoEConfig, ParallelismSizes
+from plait.models import DecoderConfig, DenseDecoder, MoEDecoder, MoEDecoderConfig
 from plait.sidecar import parallelize_model
 from plait.testing import run_on_ranks
-from plait.testing.models import DecoderConfig, DenseDecoder
-from plait.testing.moe_models import MoEDecoder, MoEDecoderConfig
 from tests.sidecar._parity import Parity, assert_parity, run_parity
 
 VOCAB = 64

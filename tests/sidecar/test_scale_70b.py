@@ -35,9 +35,9 @@ def measure() -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
+    from plait.models import DecoderConfig, DenseDecoder
     from plait.sidecar import parallelize_model
     from plait.testing.fake_pg import fake_process_group
-    from plait.testing.models import DecoderConfig, DenseDecoder
 
     start = time.perf_counter()
     with fake_process_group(WORLD):

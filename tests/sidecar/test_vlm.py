@@ -10,8 +10,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from plait.mesh import FSDP2Config, MeshContext
+from plait.models import VLM as TinyVLM
+from plait.models import DecoderConfig, VisionConfig, VLMConfig, freeze_vision
 from plait.testing import run_on_ranks
-from plait.testing.models import DecoderConfig, TinyVLM, VisionConfig, VLMConfig, freeze_vision
 from tests.sidecar._parity import Parity, assert_parity, run_parity
 
 VOCAB = 64

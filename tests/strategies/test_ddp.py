@@ -12,9 +12,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.nn.parallel import DistributedDataParallel
 
 from plait.mesh import DDPConfig
+from plait.models import DecoderConfig, DenseDecoder
 from plait.strategies import parallelize_ddp
 from plait.testing import run_on_ranks
-from plait.testing.models import DecoderConfig, DenseDecoder
 from tests.strategies._parity import Parity, run_parity
 
 _CFG = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2)

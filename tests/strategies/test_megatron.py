@@ -21,9 +21,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from plait.mesh import MegatronFSDPConfig, MeshContext, ParallelismSizes
+from plait.models import MoEDecoder, MoEDecoderConfig, MoEDecoderLayer
 from plait.strategies import parallelize_megatron_fsdp
 from plait.strategies._megatron_api import load_api, resolve_unit_modules, translate_config
-from plait.testing.moe_models import MoEDecoder, MoEDecoderConfig, MoEDecoderLayer
 
 _HAS_MEGATRON = importlib.util.find_spec("megatron_fsdp") is not None
 _COMMON = [
@@ -229,8 +229,8 @@ class _Outer(nn.Module):
 @pytest.mark.parametrize(
     "units",
     [
-        ("plait.testing.moe_models.MoEDecoderLayer",),
-        ("plait.testing.moe_models:MoEDecoderLayer",),
+        ("plait.models.moe.MoEDecoderLayer",),
+        ("plait.models.moe:MoEDecoderLayer",),
         (MoEDecoderLayer, "torch.nn.Conv2d"),
     ],
 )

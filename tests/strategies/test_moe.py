@@ -12,11 +12,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import CheckpointError
 
 from plait.mesh import FSDP2Config, MeshContext, MoEConfig, ParallelismSizes
+from plait.models import MoEDecoder, MoEDecoderConfig, TopKRouter
 from plait.sharding import apply_activation_checkpointing, discover_layer_groups
 from plait.strategies import parallelize_moe
 from plait.strategies._routing_ac import save_routing_under_checkpoint
 from plait.testing import run_on_ranks
-from plait.testing.moe_models import MoEDecoder, MoEDecoderConfig, TopKRouter
 from plait.testing.parity import max_grad_diff
 from tests.strategies._parity import (
     Parity,

@@ -12,8 +12,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from plait.mesh import FSDP2Config, MeshContext, MoEConfig, ParallelismSizes
+from plait.models import GroupedExperts, MoEDecoder, MoEDecoderConfig
 from plait.strategies import ExpertParallel, parallelize_moe
-from plait.testing.moe_models import GroupedExperts, MoEDecoder, MoEDecoderConfig
 
 
 def _untouched(model: nn.Module) -> bool:

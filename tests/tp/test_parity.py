@@ -18,8 +18,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from plait.models import DecoderConfig, DenseDecoder
 from plait.testing import run_on_ranks
-from plait.testing.models import DecoderConfig, DenseDecoder, lm_loss, make_batch
+from plait.testing.models import lm_loss, make_batch
 from plait.testing.parity import max_grad_diff, max_param_diff
 from plait.tp import apply_tp, resolve_tp_plan, validate_tp_mesh
 from tests.tp._models import UnregisteredLlama, hf_config, hf_model

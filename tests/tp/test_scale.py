@@ -7,8 +7,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from plait.models import DecoderConfig, DenseDecoder
 from plait.testing.fake_pg import fake_process_group
-from plait.testing.models import DecoderConfig, DenseDecoder
 from plait.tp import apply_tp, resolve_tp_plan, validate_tp_mesh
 
 VOCAB, HIDDEN, FFN, HEADS, KV, LAYERS, TP = 1001, 128, 256, 16, 8, 32, 8

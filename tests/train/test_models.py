@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from plait.models import GroupedExperts
 from plait.strategies import num_experts_of
 from plait.train.config import ModelConfig
 from plait.train.init import SafetensorsSource, materialize
 from plait.train.models import build_model
-from plait.train.models.moe import GroupedExperts
 
 
 def test_dense_model_uses_hf_llama_names_and_local_head_reshapes():

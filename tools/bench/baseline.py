@@ -67,7 +67,7 @@ def _gather_hidden_states(*, hf_call: bool) -> PrepareModuleInput:
             input_kwarg_layouts={"hidden_states": Shard(1)},
             desired_input_kwarg_layouts={"hidden_states": Replicate()},
         )
-    # plait.testing's DenseDecoder: ``self_attn(hidden_states, position_embeddings)``.
+    # plait.models' DenseDecoder: ``self_attn(hidden_states, position_embeddings)``.
     return PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
 
 

@@ -72,7 +72,7 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
     vocab, hidden, inter, layers, heads, kv = SIZES[spec["size"]]
     torch.manual_seed(spec["seed"])
     if spec["model"] == "decoder":
-        from plait.testing.models import DecoderConfig, DenseDecoder
+        from plait.models import DecoderConfig, DenseDecoder
 
         cfg = DecoderConfig(
             vocab_size=vocab,
@@ -314,9 +314,7 @@ def _json_or_str(text: str) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--model", default="decoder", help="'decoder' (plait.testing) or a transformers class"
-    )
+    parser.add_argument("--model", default="decoder", help="'decoder' (plait.models) or a transformers class")
     parser.add_argument("--size", default="ref", choices=sorted(SIZES))
     parser.add_argument(
         "--mesh", default="dp_shard=2,tp=2", help="e.g. dp_shard=4 | dp_replicate=2,dp_shard=2"

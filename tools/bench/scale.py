@@ -43,7 +43,7 @@ def _meta_model(model_name: str, shape: str) -> nn.Module:
     }
     with torch.device("meta"):
         if model_name == "decoder":
-            from plait.testing.models import DecoderConfig, DenseDecoder
+            from plait.models import DecoderConfig, DenseDecoder
 
             return DenseDecoder(DecoderConfig(**dims))
         import transformers
@@ -120,9 +120,7 @@ def _row(r: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--one", help=argparse.SUPPRESS)
-    parser.add_argument(
-        "--model", default="decoder", help="'decoder' (plait.testing) or a transformers class"
-    )
+    parser.add_argument("--model", default="decoder", help="'decoder' (plait.models) or a transformers class")
     parser.add_argument("--shapes", default="8b,70b")
     parser.add_argument("--worlds", default="64,1024,16384")
     parser.add_argument("--tp", type=int, default=8)

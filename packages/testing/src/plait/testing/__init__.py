@@ -1,6 +1,5 @@
-"""Dev-only: multi-rank gloo harness, fake process group, parity helpers and tiny models."""
+"""Dev-only: multi-rank gloo harness, fake process group, parity driver and test inputs."""
 
-from plait.testing.decoder import DecoderConfig, DenseDecoder
 from plait.testing.fake_pg import fake_process_group
 from plait.testing.harness import RankFailure, run_on_ranks
 from plait.testing.models import NestedContainerModel, lm_loss, make_batch
@@ -12,21 +11,14 @@ from plait.testing.parity import (
     max_grad_diff,
     max_param_diff,
 )
-from plait.testing.vlm import TinyVLM, VisionConfig, VLMConfig, freeze_vision
 
 __all__ = [
-    "DecoderConfig",
-    "DenseDecoder",
     "NestedContainerModel",
     "ParityResult",
     "RankFailure",
-    "TinyVLM",
-    "VLMConfig",
-    "VisionConfig",
     "assert_models_close",
     "clean_fqn",
     "fake_process_group",
-    "freeze_vision",
     "full_tensor",
     "lm_loss",
     "make_batch",

@@ -53,6 +53,7 @@ _PRELOAD = (
     "torch._dynamo",  # DTensor and FSDP import it lazily; without .pyc files that costs ~10 s per process
     "torch.distributed.tensor",
     "torch.distributed.fsdp",
+    "plait.models",
     "plait.testing",
 )
 _PRELOAD_IF_IMPORTED = ("transformers",)

@@ -1,7 +1,6 @@
-"""Tiny seeded-deterministic models and batches the tests share.
+"""Test inputs the tests share: a container-layout model, the batch maker and the loss.
 
-`DenseDecoder` / `DecoderConfig` live in `plait.testing.decoder`, `TinyVLM` in `plait.testing.vlm`;
-they are re-exported here with the container-layout model, the batch maker and the loss.
+The reference decoders (dense, MoE, VLM) live in `plait.models`.
 """
 
 from __future__ import annotations
@@ -10,20 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.testing.decoder import DecoderConfig, DenseDecoder
-from plait.testing.vlm import TinyVLM, VisionConfig, VLMConfig, freeze_vision
-
-__all__ = [
-    "DecoderConfig",
-    "DenseDecoder",
-    "NestedContainerModel",
-    "TinyVLM",
-    "VLMConfig",
-    "VisionConfig",
-    "freeze_vision",
-    "lm_loss",
-    "make_batch",
-]
+__all__ = ["NestedContainerModel", "lm_loss", "make_batch"]
 
 
 class _Block(nn.Module):

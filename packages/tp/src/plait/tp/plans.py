@@ -217,6 +217,5 @@ for _name in (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
-    "DenseDecoder",
 ):
     register_model_tp_plan(_name, llama_tp_plan)

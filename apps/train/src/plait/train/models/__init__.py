@@ -1,35 +1,15 @@
-"""Reference models (dense, MoE, VLM) with size presets, and Hugging Face models by class name."""
+"""The recipe's model: a plait.models reference model from its preset, or a Hugging Face class."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from plait.models import REFERENCE_MODELS, freeze_vision, preset_arch
 from plait.train.config import ModelConfig, from_dict
-from plait.train.models.dense import DecoderConfig, DenseDecoder
 from plait.train.models.hf import build_hf_model, hf_logits
-from plait.train.models.moe import MoEDecoder, MoEModelConfig
-from plait.train.models.presets import PRESETS, preset_arch
-from plait.train.models.vlm import VLM, VLMConfig
 
-__all__ = [
-    "PRESETS",
-    "VLM",
-    "DecoderConfig",
-    "DenseDecoder",
-    "MoEDecoder",
-    "MoEModelConfig",
-    "VLMConfig",
-    "build_model",
-    "hf_logits",
-    "model_vocab_size",
-]
-
-_BUILTIN: dict[str, tuple[type, type]] = {
-    "dense": (DecoderConfig, DenseDecoder),
-    "moe": (MoEModelConfig, MoEDecoder),
-    "vlm": (VLMConfig, VLM),
-}
+__all__ = ["build_model", "hf_logits", "model_vocab_size"]
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "meta") -> nn.Module:
@@ -43,11 +23,11 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "meta") -> nn.Mod
             assert cfg.hf_class is not None
             model = build_hf_model(cfg.hf_class, cfg.hf_config, cfg.pretrained_path)
         else:
-            config_cls, model_cls = _BUILTIN[cfg.source]
+            config_cls, model_cls = REFERENCE_MODELS[cfg.source]
             config = from_dict(config_cls, preset_arch(cfg.source, cfg.preset, cfg.arch), "model.arch")
             model = model_cls(config)
     if cfg.source == "vlm" and cfg.freeze_vision:
-        model.visual.requires_grad_(False)
+        freeze_vision(model)
     return model
 
 

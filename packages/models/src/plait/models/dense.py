@@ -1,26 +1,45 @@
-"""A tiny Llama-style causal LM with Hugging Face Llama module names, for parity tests.
+"""The dense reference model: a Llama-style causal LM with Hugging Face Llama module names.
 
-`DenseDecoder.model` is the backbone (`embed_tokens`, `layers[i]`, `norm`, `rotary_emb`) and
-`DenseDecoder.lm_head` the output head, so TP plans, FSDP unit selection and activation
-checkpointing see the same names as on `transformers.LlamaForCausalLM`. Attention splits heads
-with `-1` and reads the sequence length from the projections, so it works on tensor-parallel
-shards (local heads) and under sequence parallel (inputs gathered before `q_proj`).
+Names (``model.embed_tokens``, ``model.layers[i].self_attn.{q,k,v,o}_proj``,
+``mlp.{gate,up,down}_proj``, ``input_layernorm``, ``post_attention_layernorm``, ``model.norm``,
+``model.rotary_emb``, ``lm_head``) match ``transformers.LlamaForCausalLM``, so TP plans, FSDP unit
+selection and activation checkpointing see the same structure. Attention splits heads with ``-1``
+and reads the sequence length from the projections, so it runs on tensor-parallel shards (local
+heads) and under sequence parallel (inputs gathered by the projections).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DecoderBackbone", "DecoderConfig", "DenseDecoder", "RMSNorm", "RotaryEmbedding"]
+from plait.models.attention import AttentionFn, sdpa_attention
+
+__all__ = [
+    "LLAMA_TP_PLAN",
+    "MLP",
+    "Attention",
+    "DecoderConfig",
+    "DecoderLayer",
+    "DecoderModel",
+    "DenseDecoder",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "apply_rotary",
+    "llama_tp_plan_for",
+]
 
 
 @dataclass(kw_only=True)
 class DecoderConfig:
-    """Sizes of a `DenseDecoder`; field names follow `transformers.LlamaConfig`."""
+    """Architecture of a dense decoder; field names follow ``transformers.LlamaConfig``.
+
+    The defaults are the ``test`` preset: a 2-layer model that runs in milliseconds on a CPU.
+    """
 
     vocab_size: int = 128
     hidden_size: int = 32
@@ -31,22 +50,20 @@ class DecoderConfig:
     head_dim: int | None = None
     """Per-head size; None means hidden_size // num_attention_heads."""
     tie_word_embeddings: bool = False
-    """Share one Parameter between `model.embed_tokens.weight` and `lm_head.weight`."""
+    """Share one Parameter between ``model.embed_tokens.weight`` and ``lm_head.weight``."""
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02
+    """Std a trainer's init uses for matrices (the constructors' own init is only a placeholder)."""
     use_cache: bool = True
-    """Only recorded (activation checkpointing turns it off); the model never caches."""
+    """Only recorded, as on Hugging Face configs (activation checkpointing turns it off); never caches."""
 
     def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-        ):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_key_value_heads < 1:
+            raise ValueError(f"num_key_value_heads must be >= 1, got {self.num_key_value_heads}")
         if self.num_hidden_layers < 0:
             raise ValueError(f"num_hidden_layers must be >= 0, got {self.num_hidden_layers}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -66,7 +83,7 @@ class DecoderConfig:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned scale (as `LlamaRMSNorm`, computed in float32)."""
+    """Root-mean-square norm with a learned scale, computed in fp32 (elementwise ops, so DTensors work)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -81,20 +98,30 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for rotary position embeddings; `forward(x, position_ids)` as in HF Llama."""
+    """cos/sin tables for rotary embeddings; ``forward(x, position_ids)`` as in HF Llama.
+
+    ``inv_freq`` is a non-persistent buffer; :meth:`reset_buffers` recomputes it after a meta-device build.
+    """
 
     inv_freq: torch.Tensor
 
     def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.dim = head_dim  # not `head_dim`: that attribute marks attention modules (TP rewrites heads)
+        self.theta = theta
+        self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
+        if self.inv_freq.device.type != "meta":
+            self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """(Re)compute ``inv_freq`` on its device, e.g. after ``to_empty``."""
+        steps = torch.arange(0, self.dim, 2, dtype=torch.float32, device=self.inv_freq.device)
+        with torch.no_grad():
+            self.inv_freq.copy_(1.0 / (self.theta ** (steps / self.dim)))
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (cos, sin), each [batch, seq, head_dim] in `x`'s dtype (`x` only gives dtype/device)."""
-        freqs = (
-            position_ids[:, :, None].float() * self.inv_freq.float().to(position_ids.device)[None, None, :]
-        )
+        """(cos, sin), each ``[batch, seq, head_dim]`` in ``x``'s dtype (``x`` only gives the dtype)."""
+        freqs = position_ids[..., None].float() * self.inv_freq.float().to(position_ids.device)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
@@ -104,13 +131,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, heads, seq, head_dim]; cos/sin: [batch, seq, head_dim]."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [batch, heads, seq, head_dim]`` by the ``[batch, seq, head_dim]`` angles."""
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention with rotary embeddings (HF names `q_proj`..`o_proj`)."""
+    """Causal grouped-query attention with rotary embeddings (HF names ``q_proj``..``o_proj``).
+
+    The attention itself is ``self.attention_fn`` (see :mod:`plait.models.attention`), replaceable
+    per instance; head counts are attributes a TP plan may rewrite.
+    """
 
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
@@ -122,6 +153,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.attention_fn: AttentionFn = sdpa_attention
 
     def forward(
         self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
@@ -132,36 +164,33 @@ class Attention(nn.Module):
         k = self.k_proj(hidden_states).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(hidden_states).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         cos, sin = position_embeddings
-        q, k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attention_fn(q, k, v, is_causal=True, scale=None, enable_gqa=q.shape[1] != k.shape[1])
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: `down_proj(silu(gate_proj(x)) * up_proj(x))`."""
+    """SwiGLU feed-forward: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
 
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: attention and MLP, each with a residual connection."""
+    """Pre-norm transformer block: attention then ``mlp`` (SwiGLU unless given), each with a residual."""
 
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = mlp if mlp is not None else MLP(config.hidden_size, config.intermediate_size)
 
     def forward(
         self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
@@ -172,17 +201,19 @@ class DecoderLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
-class DecoderBackbone(nn.Module):
-    """Embeddings, decoder layers, final norm and rotary tables (`LlamaModel`'s layout)."""
+class DecoderModel(nn.Module):
+    """The backbone (``LlamaModel``'s layout): embeddings, layers, final norm, rotary tables."""
 
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, layers: list[nn.Module] | None = None) -> None:
         super().__init__()
         assert config.head_dim is not None
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         # Unit-variance logits when the table doubles as the output head (tied embeddings).
         nn.init.normal_(self.embed_tokens.weight, std=config.hidden_size**-0.5)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        if layers is None:
+            layers = [DecoderLayer(config) for _ in range(config.num_hidden_layers)]
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
 
@@ -195,10 +226,11 @@ class DecoderBackbone(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states after the final norm; give exactly one of `input_ids` / `inputs_embeds`.
+        """Hidden states after the final norm; give exactly one of ``input_ids`` / ``inputs_embeds``.
 
-        Position ids default to 0..seq-1, with seq read from `input_ids` when given (under sequence
-        parallel the embeddings may hold only this rank's slice of the sequence).
+        ``position_ids`` (``[batch or 1, seq]``, global positions) feed the rotary tables; they default
+        to ``0..seq-1`` with ``seq`` read from ``input_ids`` when given (under sequence parallel the
+        embeddings may hold only this rank's slice of the sequence).
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
@@ -214,13 +246,36 @@ class DecoderBackbone(nn.Module):
         return self.norm(hidden_states)
 
 
+def llama_tp_plan_for(prefix: str, head: str = "lm_head", *, mlp: bool = True) -> dict[str, str]:
+    """A Hugging Face style ``_tp_plan`` (style strings) for a :class:`DecoderModel` at ``prefix``.
+
+    plait.tp translates it (vocab-parallel embedding, replicated norms, loss-parallel head and, with
+    sequence parallel, the ``Shard(1)`` residual stream are added there).
+    """
+    layers = f"{prefix}.layers.*"
+    plan = {f"{layers}.self_attn.{p}_proj": "colwise" for p in "qkv"}
+    plan[f"{layers}.self_attn.o_proj"] = "rowwise"
+    if mlp:
+        plan.update({f"{layers}.mlp.gate_proj": "colwise", f"{layers}.mlp.up_proj": "colwise"})
+        plan[f"{layers}.mlp.down_proj"] = "rowwise"
+    plan[head] = "colwise_rep"
+    return plan
+
+
+LLAMA_TP_PLAN = llama_tp_plan_for("model")
+"""The dense decoder's tensor-parallel plan, in Hugging Face's ``_tp_plan`` form."""
+
+
 class DenseDecoder(nn.Module):
-    """Causal LM: `forward(input_ids) -> logits [batch, seq, vocab]`, HF Llama names throughout."""
+    """Causal LM: ``forward(input_ids, position_ids=None) -> logits [batch, seq, vocab]``."""
+
+    _no_split_modules: ClassVar[list[str]] = ["DecoderLayer"]
+    _tp_plan: ClassVar[dict[str, str]] = LLAMA_TP_PLAN
 
     def __init__(self, config: DecoderConfig | None = None) -> None:
         super().__init__()
         self.config = config if config is not None else DecoderConfig()
-        self.model = DecoderBackbone(self.config)
+        self.model = DecoderModel(self.config)
         self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -231,5 +286,5 @@ class DenseDecoder(nn.Module):
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model(input_ids=input_ids))
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head(self.model(input_ids=input_ids, position_ids=position_ids))

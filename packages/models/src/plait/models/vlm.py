@@ -1,26 +1,28 @@
-"""A tiny vision-language model: vision tower, projector and a Llama-style language backbone.
+"""The vision-language reference model: vision tower, projector and the dense language backbone.
 
-Module names follow the common Hugging Face VLM layout (`visual.blocks`, `multi_modal_projector`,
-`language_model.layers`, `lm_head`) so multimodal discovery and frozen-tower handling see the
-same structure as on real models.
+Module names follow the common Hugging Face VLM layout (``visual.blocks``, ``multi_modal_projector``,
+``language_model.layers``, ``lm_head``), which plait.sharding recognises as a multimodal tower and
+projector (frozen-tower policies, layer groups).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.testing.decoder import DecoderBackbone, DecoderConfig
+from plait.models.attention import AttentionFn, sdpa_attention
+from plait.models.dense import DecoderConfig, DecoderModel, llama_tp_plan_for
 
-__all__ = ["TinyVLM", "VisionConfig", "VLMConfig", "freeze_vision"]
+__all__ = ["VLM", "VLMConfig", "VisionBlock", "VisionConfig", "VisionTower", "freeze_vision"]
 
 
 @dataclass(kw_only=True)
 class VisionConfig:
-    """Sizes of the vision tower: square images cut into `patch_size` patches."""
+    """The ViT-style tower: square images cut into ``patch_size`` patches; defaults are the ``test`` preset."""
 
     image_size: int = 8
     patch_size: int = 4
@@ -29,8 +31,12 @@ class VisionConfig:
     intermediate_size: int = 32
     num_hidden_layers: int = 2
     num_attention_heads: int = 2
+    layer_norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
+        for name in ("image_size", "patch_size", "num_channels", "hidden_size", "num_attention_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"vision {name} must be >= 1, got {getattr(self, name)}")
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"image_size ({self.image_size}) must be a multiple of patch_size ({self.patch_size})"
@@ -43,12 +49,13 @@ class VisionConfig:
 
     @property
     def num_patches(self) -> int:
+        """Image tokens per image."""
         return (self.image_size // self.patch_size) ** 2
 
 
 @dataclass(kw_only=True)
 class VLMConfig:
-    """A `TinyVLM`'s configuration: HF-style `text_config` and `vision_config`."""
+    """A :class:`VLM`'s configuration: Hugging Face style ``text_config`` and ``vision_config``."""
 
     text_config: DecoderConfig = field(default_factory=DecoderConfig)
     vision_config: VisionConfig = field(default_factory=VisionConfig)
@@ -64,7 +71,7 @@ class VLMConfig:
 
 
 class VisionAttention(nn.Module):
-    """Bidirectional multi-head self-attention over patches (fused `qkv`, then `proj`)."""
+    """Bidirectional multi-head self-attention over patches (fused ``qkv``, then ``proj``)."""
 
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
@@ -72,14 +79,17 @@ class VisionAttention(nn.Module):
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
         self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.attention_fn: AttentionFn = sdpa_attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).unflatten(-1, (3, -1, self.head_dim)).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v)
+        out = self.attention_fn(q, k, v, is_causal=False, scale=None, enable_gqa=False)
         return self.proj(out.transpose(1, 2).flatten(-2))
 
 
 class VisionMLP(nn.Module):
+    """GELU feed-forward ``fc2(gelu(fc1(x)))``."""
+
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
         self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
@@ -94,9 +104,9 @@ class VisionBlock(nn.Module):
 
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(config.hidden_size)
+        self.norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.attn = VisionAttention(config)
-        self.norm2 = nn.LayerNorm(config.hidden_size)
+        self.norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = VisionMLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,17 +115,17 @@ class VisionBlock(nn.Module):
 
 
 class VisionTower(nn.Module):
-    """Patch embedding (a Linear over flattened patches), `blocks`, final norm."""
+    """Patch embedding (a Linear over flattened patches), ``blocks``, final norm."""
 
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
         self.config = config
         self.patch_embed = nn.Linear(config.num_channels * config.patch_size**2, config.hidden_size)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.num_hidden_layers))
-        self.norm = nn.LayerNorm(config.hidden_size)
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[batch, channels, H, W] -> patch features [batch, num_patches, hidden]."""
+        """``[batch, channels, H, W]`` -> patch features ``[batch, num_patches, hidden]``."""
         p = self.config.patch_size
         patches = F.unfold(pixel_values, kernel_size=p, stride=p).transpose(1, 2)
         x = self.patch_embed(patches)
@@ -136,12 +146,16 @@ class MultiModalProjector(nn.Module):
         return self.linear_2(F.gelu(self.linear_1(x)))
 
 
-class TinyVLM(nn.Module):
-    """Image + text causal LM: `forward(input_ids, pixel_values=None) -> logits [batch, seq, vocab]`.
+class VLM(nn.Module):
+    """Image + text causal LM: ``forward(input_ids, pixel_values=None, position_ids=None) -> logits``.
 
-    With `pixel_values`, the projected patch features replace the token embeddings of the first
-    `vision_config.num_patches` positions (the sequence must be at least that long).
+    Logits are ``[batch, seq, vocab]``. With ``pixel_values`` the projected patch features replace the
+    token embeddings of the first ``vision_config.num_patches`` positions (LLaVA's image placeholders;
+    the sequence must be at least that long).
     """
+
+    _no_split_modules: ClassVar[list[str]] = ["DecoderLayer", "VisionBlock"]
+    _tp_plan: ClassVar[dict[str, str]] = llama_tp_plan_for("language_model")
 
     def __init__(self, config: VLMConfig | None = None) -> None:
         super().__init__()
@@ -149,7 +163,7 @@ class TinyVLM(nn.Module):
         text, vision = self.config.text_config, self.config.vision_config
         self.visual = VisionTower(vision)
         self.multi_modal_projector = MultiModalProjector(vision.hidden_size, text.hidden_size)
-        self.language_model = DecoderBackbone(text)
+        self.language_model = DecoderModel(text)
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         if text.tie_word_embeddings:
             self.lm_head.weight = self.language_model.embed_tokens.weight
@@ -160,22 +174,28 @@ class TinyVLM(nn.Module):
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
 
-    def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if pixel_values is None:
-            return self.lm_head(self.language_model(input_ids=input_ids))
+            return self.lm_head(self.language_model(input_ids=input_ids, position_ids=position_ids))
         n = self.config.vision_config.num_patches
         if input_ids.shape[1] < n:
             raise ValueError(
                 f"with pixel_values the sequence needs >= {n} tokens (one per patch), got {input_ids.shape[1]}"
             )
-        image = self.multi_modal_projector(self.visual(pixel_values))
         embeds = self.language_model.embed_tokens(input_ids)
+        image = self.multi_modal_projector(self.visual(pixel_values.to(embeds.dtype)))
         embeds = torch.cat([image.to(embeds.dtype), embeds[:, n:]], dim=1)
-        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :]
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :]
         return self.lm_head(self.language_model(inputs_embeds=embeds, position_ids=position_ids))
 
 
-def freeze_vision(model: TinyVLM) -> TinyVLM:
-    """Turn off gradients of the vision tower (the projector stays trainable); returns `model`."""
+def freeze_vision(model: VLM) -> VLM:
+    """Turn off gradients of the vision tower (the projector stays trainable); returns ``model``."""
     model.visual.requires_grad_(False)
     return model
