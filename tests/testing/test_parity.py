@@ -11,9 +11,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from plait.models import DecoderConfig, DenseDecoder
 from plait.testing import (
-    DecoderConfig,
-    DenseDecoder,
     ParityResult,
     assert_models_close,
     clean_fqn,
