@@ -20,6 +20,7 @@ def _apply_model_parallelizer(
     parallelizer: ModelParallelizer, model: nn.Module, mesh_context: MeshContext
 ) -> nn.Module:
     """Run the strategy ``mesh_context`` asks for, with ``parallelizer``'s hooks; return the model."""
+    _refuse_pipeline_parallel(mesh_context)
     config = mesh_context.strategy_config
     check_context_parallel_support(mesh_context)  # cp > 1 only where the cp step runs
     if mesh_context.ep_size > 1:
@@ -34,6 +35,16 @@ def _apply_model_parallelizer(
         f"parallelize_model does not support strategy_config={config!r} ({type(config).__name__}); "
         "use FSDP2Config, DDPConfig or MegatronFSDPConfig from plait.mesh."
     )
+
+
+def _refuse_pipeline_parallel(mesh_context: MeshContext) -> None:
+    """A pp axis > 1 needs the model split into stages, which this flow does not do (plait-pipeline does)."""
+    if mesh_context.pp_size > 1:
+        raise ValueError(
+            f"pp_size={mesh_context.pp_size}: parallelize_model does not split a model into pipeline stages; "
+            "call plait.pipeline.pipeline_model(model, mesh_context, loss_fn) (package plait-pipeline), "
+            "which runs this flow on each stage."
+        )
 
 
 def _parallelize_fsdp2(
