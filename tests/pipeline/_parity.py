@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
+from plait.models import DecoderConfig, DenseDecoder, MoEDecoder, MoEDecoderConfig
 from plait.pipeline import PipelineConfig, pipeline_model
 from plait.testing import clean_fqn, full_tensor
 
@@ -45,12 +46,8 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def build(kind: str, layers: int) -> nn.Module:
     """A tiny seeded decoder: ``dense``/``moe`` (plait reference models) or ``llama`` (Hugging Face)."""
     if kind == "dense":
-        from plait.testing import DecoderConfig, DenseDecoder
-
         return DenseDecoder(DecoderConfig(vocab_size=VOCAB, num_hidden_layers=layers))
     if kind == "moe":
-        from plait.testing.moe_models import MoEDecoder, MoEDecoderConfig
-
         return MoEDecoder(MoEDecoderConfig(vocab_size=VOCAB, num_hidden_layers=layers))
     from transformers import LlamaConfig, LlamaForCausalLM
 

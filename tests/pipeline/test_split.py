@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from plait.models import VLM, DecoderConfig, DenseDecoder, VLMConfig
 from plait.pipeline import PipelineConfig, find_decoder_parts, plan_stages
 from plait.pipeline.split import build_stage_module, check_untied_across_stages
-from plait.testing import DecoderConfig, DenseDecoder, TinyVLM, VLMConfig
 from tests.pipeline._parity import build
 
 
@@ -62,7 +62,7 @@ def test_split_refusals() -> None:
     with pytest.raises(ValueError, match="ties its input embedding and output head"):
         check_untied_across_stages(tied, find_decoder_parts(tied))
     with pytest.raises(ValueError, match="cannot place parameters"):
-        find_decoder_parts(TinyVLM(VLMConfig()))
+        find_decoder_parts(VLM(VLMConfig()))
 
 
 def test_config_refusals() -> None:
