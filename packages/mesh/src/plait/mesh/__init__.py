@@ -10,6 +10,13 @@ from plait.mesh.configs import (
     MoEConfig,
     default_mp_policy,
 )
+from plait.mesh.consistency import (
+    check_ranks_agree,
+    describe_arguments,
+    describe_config,
+    describe_mesh_context,
+    describe_module,
+)
 from plait.mesh.context import MeshContext
 from plait.mesh.distributed import DistributedInfo, init_distributed
 from plait.mesh.normalize import (
@@ -37,9 +44,14 @@ __all__ = [
     "ParallelismSizes",
     "StrategyConfig",
     "build_device_mesh",
+    "check_ranks_agree",
     "build_moe_mesh",
     "default_device_type",
     "default_mp_policy",
+    "describe_arguments",
+    "describe_config",
+    "describe_mesh_context",
+    "describe_module",
     "init_distributed",
     "normalize_ac_scope",
     "normalize_activation_checkpointing",

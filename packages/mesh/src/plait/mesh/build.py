@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait.mesh.configs import DDPConfig, FSDP2Config, MegatronFSDPConfig
+from plait.mesh.consistency import check_ranks_agree, describe_arguments
 from plait.mesh.sizes import ParallelismSizes
 from plait.mesh.strategy import StrategyConfig, strategy_name
 
@@ -239,6 +240,14 @@ def build_device_mesh(
     ``dp_cp``. Megatron-FSDP: ``(dp, cp, tp)`` with ``dp_cp`` flattened when cp > 1. Every rank of
     the process group must call this (subgroup creation is collective).
     """
+    arguments = describe_arguments(
+        strategy_config=strategy_config,
+        sizes=sizes,
+        world_size=world_size,
+        ranks=ranks,
+        device_type=device_type,
+    )
+    check_ranks_agree("build_device_mesh", arguments)
     plan = plan_meshes(strategy_config, sizes, world_size=world_size, ranks=ranks)
     return build_planned_device_mesh(plan, device_type)
 
@@ -255,5 +264,9 @@ def build_moe_mesh(
     ``ep_shard = dp*cp*tp // ep``; ``ep`` is the inner (fastest-varying) axis, so each expert-parallel
     group holds consecutive ranks. Every rank of the process group must call this.
     """
+    check_ranks_agree(
+        "build_moe_mesh",
+        describe_arguments(sizes=sizes, world_size=world_size, ranks=ranks, device_type=device_type),
+    )
     plan = plan_meshes(FSDP2Config(), sizes, world_size=world_size, ranks=ranks)
     return build_planned_moe_mesh(plan, device_type)

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from plait.mesh.axes import validate_axis_names
 from plait.mesh.build import build_planned_device_mesh, build_planned_moe_mesh, plan_meshes
 from plait.mesh.configs import FSDP2Config, MoEConfig
+from plait.mesh.consistency import check_ranks_agree, describe_arguments
 from plait.mesh.normalize import (
     ActivationCheckpointing,
     ActivationCheckpointingMode,
@@ -163,13 +164,27 @@ class MeshContext:
             device_type: mesh device type; default ``cuda`` under NCCL with CUDA, else ``cpu``.
 
         Raises:
-            TypeError / ValueError: before any collective, for every invalid combination.
+            TypeError / ValueError: before any collective, for every invalid combination, and when
+                the ranks do not all pass the same arguments (compared with a short timeout).
         """
         normalize_activation_checkpointing(activation_checkpointing)
         if moe_config is not None and not isinstance(moe_config, MoEConfig):
             raise TypeError(f"moe_config must be a MoEConfig or None, got {moe_config!r}")
         if reapply_trainability is not None and not callable(reapply_trainability):
             raise TypeError(f"reapply_trainability must be callable or None, got {reapply_trainability!r}")
+        check_ranks_agree(
+            "MeshContext.build",
+            describe_arguments(
+                strategy_config=strategy_config,
+                sizes=sizes,
+                world_size=world_size,
+                ranks=ranks,
+                moe_config=moe_config,
+                activation_checkpointing=activation_checkpointing,
+                reapply_trainability=reapply_trainability,
+                device_type=device_type,
+            ),
+        )
         plan = plan_meshes(strategy_config, sizes, world_size=world_size, ranks=ranks)
         return cls(
             device_mesh=build_planned_device_mesh(plan, device_type),

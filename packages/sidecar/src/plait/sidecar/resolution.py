@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+import weakref
+from typing import Any
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
+from plait.mesh import MeshContext, check_ranks_agree, describe_mesh_context, describe_module
 from plait.sidecar.parallelizer import ModelParallelizer
-
-if TYPE_CHECKING:
-    from plait.mesh import MeshContext
 
 __all__ = ["get_model_parallelizer", "parallelize_model", "register_model_parallelizer"]
 
 _DEFAULT_PARALLELIZER = ModelParallelizer()
 _REGISTRY: dict[str, Any] = {}
+_PARALLELIZED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""Models :func:`parallelize_model` has returned (and the ones it was given), so a second call is refused."""
 
 
 def register_model_parallelizer(class_name: str, parallelizer: ModelParallelizer | str) -> None:
@@ -76,8 +80,56 @@ def parallelize_model(model: nn.Module, mesh_context: MeshContext) -> nn.Module:
 
     The returned model trains correctly with a plain loop (forward, loss, backward, optimizer step):
     no gradient synchronisation or rescaling is left to the caller.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` or ``mesh_context`` not a ``MeshContext``.
+        ValueError: ``model`` is already parallelized, or the ranks do not all pass the same model
+            structure and mesh context (compared with a short timeout, before any collective).
     """
-    return get_model_parallelizer(model).parallelize(model, mesh_context)
+    _check_arguments(model, mesh_context)
+    parallelizer = get_model_parallelizer(model)
+    description = {**describe_mesh_context(mesh_context), **describe_module(model)}
+    description["sidecar"] = f"{type(parallelizer).__module__}.{type(parallelizer).__qualname__}"
+    check_ranks_agree("parallelize_model", description)
+    result = parallelizer.parallelize(model, mesh_context)
+    _PARALLELIZED.add(model)
+    _PARALLELIZED.add(result)
+    return result
+
+
+def _check_arguments(model: Any, mesh_context: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"parallelize_model expects a torch.nn.Module, got {model!r} ({type(model).__name__}); "
+            "wrap the computation in an nn.Module subclass"
+        )
+    if not isinstance(mesh_context, MeshContext):
+        raise TypeError(
+            f"parallelize_model expects a plait.mesh.MeshContext, got {type(mesh_context).__name__}; "
+            "build one with MeshContext.build(strategy_config, sizes)"
+        )
+    reason = _parallelized_by(model)
+    if reason is not None:
+        raise ValueError(
+            f"parallelize_model: this {type(model).__name__} is already parallelized ({reason}); call "
+            "parallelize_model once, on the plain model (build a fresh model to parallelize it again)"
+        )
+
+
+def _parallelized_by(model: nn.Module) -> str | None:
+    if model in _PARALLELIZED:
+        return "returned by an earlier parallelize_model call"
+    if isinstance(model, DistributedDataParallel):
+        return "it is a DistributedDataParallel wrapper"
+    if hasattr(model, "_orig_mod"):
+        return "it is a torch.compile wrapper"
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            return f"module {name or '(root)'!r} is an FSDP2 unit"
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            return f"parameter {name!r} is a DTensor"
+    return None
 
 
 def _load(key: str) -> Any:
