@@ -3,5 +3,7 @@
 import sys
 
 from plait.train.cli import main
+from plait.train.imports import drop_implicit_cwd
 
+drop_implicit_cwd()  # before anything a recipe names is imported
 sys.exit(main())

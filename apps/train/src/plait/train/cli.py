@@ -12,6 +12,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from plait.train.config import Recipe
 
 __all__ = ["main"]
 
@@ -42,6 +46,11 @@ def _parser(command: str) -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a recipe key, e.g. --set train.steps=10 (value parsed as YAML)",
     )
+    parser.add_argument(
+        "--allow-imports",
+        action="store_true",
+        help="let the recipe import the 'pkg.mod:ATTR' paths it names (tp_plan, unit_modules): only for recipes you trust",
+    )
     if command == "plan":
         parser.add_argument("--world-size", type=int, required=True, help="ranks to plan for (up to 16,384)")
     if command == "validate":
@@ -52,9 +61,30 @@ def _parser(command: str) -> argparse.ArgumentParser:
 
 
 def _fail(err: BaseException) -> int:
-    message = " ".join(str(err).split())
-    print(f"plait-train: error: {message}", file=sys.stderr, flush=True)
-    return 2
+    from plait.train.errors import report
+
+    return report(err)
+
+
+def _load(args: argparse.Namespace) -> Recipe:
+    """The recipe, its import paths allowed or refused, its run directory possible."""
+    from plait.train.errors import UserError, check_run_dir, user_message
+    from plait.train.imports import check_recipe_imports
+    from plait.train.recipes import load_recipe
+
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+    except (UnicodeDecodeError, RecursionError, OSError) as err:
+        raise UserError(f"recipe {args.recipe!r}: {user_message(err)}") from None
+    check_recipe_imports(recipe, allow_imports=args.allow_imports)
+    check_run_dir(recipe.run_dir)
+    resume_from = recipe.checkpoint.resume_from
+    if resume_from and not os.path.isdir(resume_from):
+        raise UserError(
+            f"checkpoint.resume_from {resume_from!r} is not a directory; name a step_ directory of a run's "
+            "checkpoints/, or drop it to resume from the newest complete checkpoint"
+        )
+    return recipe
 
 
 def _summary_line(text: str) -> str:
@@ -86,7 +116,7 @@ def _inspect(command: str, args: argparse.Namespace) -> int:
     from plait.train.recipes import load_recipe
     from plait.train.setup import check_recipe
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = load_recipe(args.recipe, args.overrides) if command == "show" else _load(args)
     if command == "show":
         print(yaml.safe_dump(to_dict(recipe), sort_keys=False), end="")
     elif command == "plan":
@@ -111,23 +141,33 @@ def main(argv: list[str] | None = None) -> int:
     if command == "list":
         return _list()
     if command != "train":
+        from plait.train.errors import UserError
+
         try:
             return _inspect(command, args)
-        except (ValueError, TypeError) as err:
+        except (ValueError, TypeError, UserError) as err:
             return _fail(err)
 
+    from plait.train.errors import Stopped, UserError
     from plait.train.launch import defer_sigterm, launch_local, under_launcher
 
     launched = under_launcher()
+    if launched:
+        from plait.train.lifecycle import die_with_launcher
+
+        die_with_launcher()
     with defer_sigterm():
         try:
-            from plait.train.recipes import load_recipe
+            from plait.train.launch import check_nproc
             from plait.train.setup import check_recipe
 
-            recipe = load_recipe(args.recipe, args.overrides)
+            recipe = _load(args)
             world = int(os.environ.get("WORLD_SIZE", "1")) if launched else recipe.launch.nproc_per_node
             config = check_recipe(recipe, world)
-        except (ValueError, TypeError) as err:
+            if not launched:
+                launch = recipe.launch
+                check_nproc(launch.nproc_per_node, recipe.train.device, oversubscribe=launch.oversubscribe)
+        except (ValueError, TypeError, UserError) as err:
             return _fail(err)
     if not launched:
         return launch_local(
@@ -138,6 +178,6 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run(recipe, config)
-    except SetupError as err:
+    except (SetupError, UserError, Stopped) as err:
         return _fail(err)
     return 0

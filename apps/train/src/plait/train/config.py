@@ -220,7 +220,9 @@ class LaunchConfig:
     nproc_per_node: int = 4
     """Ranks to start on this machine."""
     max_restarts: int = 0
-    """Restarts of the whole local job after a rank failure (resumes from the last checkpoint)."""
+    """Restarts of the whole local job after a rank failure (resumes from the last checkpoint); never after a user error."""
+    oversubscribe: bool = False
+    """Allow more ranks than the machine runs well (one per GPU, or 4 per CPU core)."""
 
     def __post_init__(self) -> None:
         _positive("launch", nproc_per_node=self.nproc_per_node)

@@ -83,12 +83,18 @@ def _record_text(record: object, where: str, text_key: str) -> bytes:
 
 
 def _json_documents(path: Path, text_key: str) -> Iterator[bytes]:
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{path}: not UTF-8 text (byte 0x{err.object[err.start : err.start + 1].hex()} at offset "
+            f"{err.start}); save it as UTF-8 or drop it from data.paths"
+        ) from None
     if path.suffix == ".json" and text.lstrip().startswith("["):
         for i, record in enumerate(json.loads(text)):
             yield _record_text(record, f"{path}[{i}]", text_key)
         return
-    for lineno, line in enumerate(text.splitlines(), 1):
+    for lineno, line in enumerate(text.split("\n"), 1):  # records end at \n only (not at U+2028)
         if line.strip():
             try:
                 record = json.loads(line)

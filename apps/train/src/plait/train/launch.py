@@ -9,13 +9,30 @@ Under ``torchrun`` nothing is launched; the launcher's ranks are used as they ar
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
 import uuid
 from collections.abc import Iterator
 
-__all__ = ["defer_sigterm", "launch_local", "under_launcher"]
+from plait.train.errors import EXIT_STOPPED, EXIT_USER
+
+__all__ = [
+    "ATTEMPT_ENV",
+    "LAUNCHER_PID_ENV",
+    "check_nproc",
+    "defer_sigterm",
+    "launch_local",
+    "max_local_ranks",
+    "under_launcher",
+]
+
+LAUNCHER_PID_ENV = "PLAIT_LAUNCHER_PID"
+"""Set by the local launcher for its ranks: the process whose death must end them."""
+ATTEMPT_ENV = "PLAIT_TRAIN_ATTEMPT"
+"""Set by the local launcher: 0 for the first attempt, then 1, 2, ... per restart."""
+_RANKS_PER_CORE = 4
 
 
 def under_launcher() -> bool:
@@ -46,13 +63,75 @@ def defer_sigterm() -> Iterator[None]:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+def max_local_ranks(device: str) -> int:
+    """Ranks this machine can run: one per GPU under CUDA, else ``_RANKS_PER_CORE`` per CPU core."""
+    import torch
+
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        count = torch.cuda.device_count()
+        if device == "cuda" or count > 0:
+            return max(count, 1)
+    return _RANKS_PER_CORE * (os.cpu_count() or 1)
+
+
+def check_nproc(nproc_per_node: int, device: str, *, oversubscribe: bool) -> None:
+    """Refuse more local ranks than the machine can run, unless ``launch.oversubscribe`` says so.
+
+    Raises:
+        ValueError: ``nproc_per_node`` above :func:`max_local_ranks`.
+    """
+    limit = max_local_ranks(device)
+    if nproc_per_node > limit and not oversubscribe:
+        cores = os.cpu_count() or 1
+        raise ValueError(
+            f"launch.nproc_per_node {nproc_per_node} is more ranks than this machine can run (at most {limit}: "
+            f"{cores} CPU core(s), train.device {device!r}); lower it, or set launch.oversubscribe: true"
+        )
+
+
 def launch_local(argv: list[str], *, nproc_per_node: int, max_restarts: int = 0) -> int:
-    """Run ``python -m plait.train <argv>`` on ``nproc_per_node`` local ranks; return an exit code."""
+    """Run ``python -m plait.train <argv>`` on ``nproc_per_node`` local ranks; return an exit code.
+
+    A failed attempt is restarted (up to ``max_restarts`` times, each resuming from the last
+    checkpoint) unless a rank exited with a user error (exit 2): the same recipe would fail the
+    same way again. SIGTERM/SIGINT to the launcher stops the ranks (they save a checkpoint where they
+    can in time) and returns 143; the ranks die with the launcher (see :func:`die_with_launcher`).
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    _quiet_elastic_logs()
+    attempt = 0
+    while True:
+        os.environ[ATTEMPT_ENV] = str(attempt)
+        try:
+            _launch_once(argv, nproc_per_node)
+        except SignalException as err:
+            print(f"plait-train: stopped by {signal.Signals(err.sigval).name}", file=sys.stderr, flush=True)
+            return EXIT_STOPPED
+        except ChildFailedError as err:
+            codes = sorted({f.exitcode for f in err.failures.values()})
+            if EXIT_STOPPED in codes or EXIT_USER in codes or attempt >= max_restarts:
+                why = "a user error is not retried; " if EXIT_USER in codes and attempt < max_restarts else ""
+                print(
+                    f"plait-train: {len(err.failures)} rank(s) failed (exit codes {codes}); {why}"
+                    f"{attempt} restart(s) made",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return next((c for c in codes if c > 0), 1)
+            attempt += 1
+            print(f"plait-train: restart {attempt} of {max_restarts} (exit codes {codes})", file=sys.stderr)
+            continue
+        return 0
+
+
+def _launch_once(argv: list[str], nproc_per_node: int) -> None:
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -60,13 +139,16 @@ def launch_local(argv: list[str], *, nproc_per_node: int, max_restarts: int = 0)
         run_id=f"plait-train-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
-        max_restarts=max_restarts,
+        max_restarts=0,
         monitor_interval=0.2,
     )
-    try:
-        elastic_launch(config, sys.executable)("-u", "-m", "plait.train", *argv)
-    except ChildFailedError as err:
-        codes = sorted({f.exitcode for f in err.failures.values()})
-        print(f"plait-train: {len(err.failures)} rank(s) failed (exit codes {codes})", file=sys.stderr)
-        return next((c for c in codes if c > 0), 1)
-    return 0
+    # -P: the working directory is never importable on the ranks (a recipe names what it imports).
+    elastic_launch(config, sys.executable)("-P", "-u", "-m", "plait.train", *argv)
+
+
+def _quiet_elastic_logs() -> None:
+    """Our own lines say what failed; torch elastic's multi-line failure reports would repeat it."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic") or name.startswith("torch.distributed.launcher"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)

@@ -22,6 +22,7 @@ from plait.mesh import (
 from plait.sidecar import compile_parallelized_model, parallelize_model
 from plait.train.checks import check_data, check_devices, check_vocabulary
 from plait.train.config import Recipe
+from plait.train.errors import phase
 from plait.train.init import SafetensorsSource, clean_fqn, materialize
 from plait.train.models import build_model
 
@@ -120,7 +121,8 @@ def build_parallel_model(
     """
     cfg = recipe.model
     meta = (cfg.meta_init or not materialise) and recipe.parallel.strategy != "ddp"
-    source = SafetensorsSource(cfg.pretrained_path) if cfg.pretrained_path else None
+    with phase(f"model.pretrained_path {cfg.pretrained_path!r}"):
+        source = SafetensorsSource(cfg.pretrained_path) if cfg.pretrained_path else None
     seed = recipe.train.seed
     model = build_model(cfg, "meta" if meta else "cpu")
     if not meta:

@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -24,8 +24,21 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from plait.mesh import DistributedInfo, MeshContext, StrategyConfig, init_distributed
-from plait.train.checkpoint import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
+from plait.mesh import (
+    DistributedInfo,
+    MeshContext,
+    StrategyConfig,
+    check_ranks_agree,
+    describe_config,
+    init_distributed,
+)
+from plait.train.checkpoint import (
+    export_safetensors,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    step_dir_name,
+)
 from plait.train.checks import check_vocabulary
 from plait.train.config import Recipe, to_dict
 from plait.train.data import (
@@ -36,6 +49,9 @@ from plait.train.data import (
     load_corpus,
     synthetic_images,
 )
+from plait.train.errors import Stopped
+from plait.train.launch import ATTEMPT_ENV
+from plait.train.lifecycle import RankLifecycle
 from plait.train.metrics import MetricsLogger, memory_mib
 from plait.train.models import hf_logits
 from plait.train.optim import build_optimizer, build_scheduler, clip_grad_norm
@@ -249,7 +265,9 @@ class Trainer:
 
     def _maybe_fail(self) -> None:
         fail_at = os.environ.get(FAIL_AT_STEP_ENV)
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+        first_attempt = (
+            os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get(ATTEMPT_ENV, "0") == "0"
+        )
         if (
             fail_at
             and first_attempt
@@ -258,8 +276,12 @@ class Trainer:
         ):
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def fit(self) -> None:
-        """Resume if asked, train to ``train.steps``, validate, checkpoint, export."""
+    def fit(self, stop: Callable[[int], bool] | None = None) -> None:
+        """Resume if asked, train to ``train.steps``, validate, checkpoint, export.
+
+        ``stop(step)``, asked after every step on every rank, ends the job there (SIGTERM): a
+        checkpoint of that step is saved and :class:`Stopped` raised.
+        """
         cfg, ckpt = self.recipe.train, self.recipe.checkpoint
         if self.info.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -274,11 +296,24 @@ class Trainer:
                 self.logger.validation(self.step, self.validate())
             if ckpt.every and self.step % ckpt.every == 0:
                 self.save()
+            if stop is not None and stop(self.step):
+                self._stop()
         if ckpt.export:
             path = export_safetensors(self.model, self.run_dir / "model.safetensors")
             if path is not None:
                 self.logger.event("export", path=str(path))
         self.logger.close()
+
+    def _stop(self) -> None:
+        ckpt = self.recipe.checkpoint
+        if not ckpt.every:
+            saved = "nothing saved (checkpoint.every is 0)"
+        else:
+            if self.step % ckpt.every:
+                self.save()
+            saved = f"checkpoint {self.ckpt_root / step_dir_name(self.step)} saved; run again to resume"
+        self.logger.close()
+        raise Stopped(f"stopped by SIGTERM at step {self.step} of {self.recipe.train.steps}; {saved}")
 
 
 class SetupError(Exception):
@@ -304,13 +339,21 @@ def run(recipe: Recipe, config: StrategyConfig | None = None) -> None:
     except (ValueError, TypeError) as err:
         raise SetupError(str(err)) from err
     info = init_distributed(backend=backend)
+    life = RankLifecycle(info.rank, info.world_size).start()
     try:
+        check_ranks_agree("the recipe", describe_config(to_dict(recipe), "recipe"))
         try:
             trainer = Trainer(recipe, config, info)
         except (ValueError, TypeError) as err:
             raise SetupError(str(err)) from err
-        trainer.fit()
+        trainer.fit(stop=life.should_stop)
+    except Exception as err:
+        settled = life.settle(err)
+        if settled is err:
+            raise
+        raise settled from err
     finally:
+        life.close()
         dist.destroy_process_group()
 
 
