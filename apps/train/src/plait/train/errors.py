@@ -15,6 +15,7 @@ import contextlib
 import errno
 import os
 import sys
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -82,7 +83,12 @@ def print_error(message: str) -> None:
 
 
 def report(err: BaseException) -> int:
-    """Print the one line of a user error (or a stop) and return the process exit code."""
+    """Print the one line of a user error (or a stop) and return the process exit code.
+
+    With ``PLAIT_TRAIN_TRACEBACK=1`` the traceback (and its causes) is printed first.
+    """
+    if os.environ.get(TRACEBACK_ENV) == "1":
+        traceback.print_exception(err, file=sys.stderr)
     if isinstance(err, Stopped):
         print(f"plait-train: {one_line(str(err))}", file=sys.stderr, flush=True)
         return EXIT_STOPPED

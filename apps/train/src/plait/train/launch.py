@@ -2,8 +2,9 @@
 
 ``uv run apps/train`` without ``RANK``/``WORLD_SIZE`` re-runs itself as ``python -m plait.train``
 on ``nproc_per_node`` local ranks through ``torch.distributed.launcher.elastic_launch`` (the engine
-behind ``torchrun --standalone``): a free rendezvous port, restarts on failure when asked.
-Under ``torchrun`` nothing is launched; the launcher's ranks are used as they are.
+behind ``torchrun --standalone``): a free rendezvous port, restarts of crashed attempts when
+asked (never of a user error, exit 2), one line on SIGTERM, at most as many ranks as the machine
+runs. Under ``torchrun`` nothing is launched; the launcher's ranks are used as they are.
 """
 
 from __future__ import annotations
