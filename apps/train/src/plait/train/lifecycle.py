@@ -35,7 +35,7 @@ __all__ = ["STOP_TIMEOUT_ENV", "RankLifecycle", "die_with_launcher"]
 STOP_TIMEOUT_ENV = "PLAIT_TRAIN_STOP_TIMEOUT_S"
 _STOP_TIMEOUT_S = 25.0
 _PR_SET_PDEATHSIG = 1
-_PEER_WAIT_S = 3.0
+_PEER_WAIT_S = 1.0
 _FAILED_KEY = "failed"
 _STOP_KEY = "stop_step"
 
@@ -47,6 +47,19 @@ def die_with_launcher() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != expected:
         os._exit(EXIT_INTERNAL)
+
+
+def _stop_timeout() -> float:
+    raw = os.environ.get(STOP_TIMEOUT_ENV)
+    if raw is None:
+        return _STOP_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise UserError(f"{STOP_TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
+    return value
 
 
 def _job_store(world: int) -> dist.Store | None:
@@ -76,7 +89,7 @@ class RankLifecycle:
         self._print_lock = threading.Lock()
         self._parent = int(os.environ.get(LAUNCHER_PID_ENV, os.getppid()))
         self._previous: signal.Handlers | None = None
-        self._deadline = float(os.environ.get(STOP_TIMEOUT_ENV, _STOP_TIMEOUT_S))
+        self._deadline = _stop_timeout()
         self._watchdog = threading.Thread(target=self._watch, name="plait-rank-watchdog", daemon=True)
 
     # -- set-up -------------------------------------------------------------------------------
