@@ -115,6 +115,9 @@ def launch_local(argv: list[str], *, nproc_per_node: int, max_restarts: int = 0)
             return EXIT_STOPPED
         except ChildFailedError as err:
             codes = sorted({f.exitcode for f in err.failures.values()})
+            if codes == [EXIT_STOPPED]:
+                print("plait-train: the ranks were stopped by SIGTERM", file=sys.stderr, flush=True)
+                return EXIT_STOPPED
             if EXIT_STOPPED in codes or EXIT_USER in codes or attempt >= max_restarts:
                 why = "a user error is not retried; " if EXIT_USER in codes and attempt < max_restarts else ""
                 print(

@@ -7,7 +7,7 @@ default process group's key-value store, never through a collective: each wait i
 short timeout, so a rank that disagrees or never arrives is one ``ValueError`` on every rank
 within seconds.
 
-Exchange: rank 0 publishes its description; every other rank compares its own against it and,
+Exchange: the first rank of the group publishes its description; every other rank compares its own and,
 when they differ, files a report; every rank then counts itself in, and the last one to arrive
 opens the gate. All ranks read the same reports, so all raise the same one-line message.
 """
@@ -20,7 +20,7 @@ import hashlib
 import itertools
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -47,8 +47,8 @@ _MAX_REPORTS = 3
 _MAX_DIFFS = 3
 _MAX_DEPTH = 6
 _LISTED_RANKS = 1024
-_CALLS = itertools.count()
-"""Sequence number of this process's checks: every rank makes the same checks in the same order."""
+_CALLS: dict[str, itertools.count[int]] = {}
+"""Sequence numbers of this process's checks per group of ranks: its ranks make the same checks in order."""
 
 
 def describe_config(value: Any, prefix: str) -> dict[str, str]:
@@ -151,51 +151,70 @@ def _active() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"
 
 
-def check_ranks_agree(what: str, description: Mapping[str, str], *, timeout: float | None = None) -> None:
+def check_ranks_agree(
+    what: str,
+    description: Mapping[str, str],
+    *,
+    ranks: Sequence[int] | None = None,
+    timeout: float | None = None,
+) -> None:
     """Raise the same ValueError on every rank unless every rank passes an equal ``description``.
 
     Does nothing without an initialised multi-rank process group (or on torch's fake group).
-    Every rank of the default group must call this, in the same order as its other checks.
+    Every rank of ``ranks`` must call this, in the same order as its other checks of those ranks.
 
     Args:
         what: the call being checked (named in the message), e.g. ``"MeshContext.build"``.
         description: ``{key: value}`` strings; see :func:`describe_config` / :func:`describe_module`.
+        ranks: the global ranks that must agree (e.g. one pipeline stage's); None = every rank.
         timeout: seconds to wait for the other ranks (default 60, or ``PLAIT_CONSISTENCY_TIMEOUT_S``).
 
     Raises:
-        ValueError: a rank's description differs from rank 0's (what differs and which ranks are
-            named), or a rank did not arrive within the timeout.
+        ValueError: a rank's description differs from the first rank's (what differs and which
+            ranks are named), or a rank did not arrive within the timeout.
     """
     if not _active():
         return
+    group = tuple(sorted(ranks)) if ranks is not None else tuple(range(dist.get_world_size()))
+    rank = dist.get_rank()
+    if len(group) < 2 or rank not in group:
+        return
     seconds = timeout if timeout is not None else _timeout()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = {"check": what, **description}
+    name = "all" if ranks is None else _digest(repr(group))[:16]
+    seq = next(_CALLS.setdefault(name, itertools.count()))
     # The default store is the one every rank already shares; torch exposes no public accessor.
-    store = dist.PrefixStore(f"plait/consistency/{next(_CALLS)}/", dist.distributed_c10d._get_default_store())
-    text = json.dumps(mine)
-    if rank == 0:
-        store.set("ref", text)
-        store.set("ref_digest", _digest(text))
-    else:
-        _wait(store, "ref_digest", seconds, lambda: f"rank 0 did not reach {what} within {seconds:g} s")
-    if rank != 0 and store.get("ref_digest").decode() != _digest(text):
-        differences = _differences(mine, json.loads(store.get("ref")))
-        store.set(f"bad/{store.add('bad', 1)}", f"rank {rank} has {differences}")
-    store.set(f"in/{rank}", "1")
-    if store.add("arrived", 1) == world:
-        store.set("done", "1")
-    _wait(store, "done", seconds, lambda: _missing(store, what, world, seconds))
-    bad = store.add("bad", 0)
-    if rank == 0:
-        store.delete_key("ref")
+    store = dist.PrefixStore(f"plait/consistency/{name}/{seq}/", dist.distributed_c10d._get_default_store())
+    bad = _exchange(store, what, {"check": what, **description}, group, seconds)
     if bad:
         reports = [store.get(f"bad/{i}").decode() for i in range(1, min(bad, _MAX_REPORTS) + 1)]
         more = f"; and {bad - _MAX_REPORTS} more rank(s)" if bad > _MAX_REPORTS else ""
         raise ValueError(
-            f"ranks disagree at {what} (checked before any collective; {bad} of {world} ranks differ from "
-            f"rank 0): {'; '.join(reports)}{more}; give every rank the same configuration and model"
+            f"ranks disagree at {what} (checked before any collective; {bad} of {len(group)} ranks differ "
+            f"from rank {group[0]}): {'; '.join(reports)}{more}; give every rank the same configuration and model"
         )
+
+
+def _exchange(
+    store: dist.Store, what: str, mine: dict[str, str], group: tuple[int, ...], seconds: float
+) -> int:
+    """Compare ``mine`` with the first rank's through ``store``; return how many ranks differ."""
+    rank, first = dist.get_rank(), group[0]
+    text = json.dumps(mine)
+    if rank == first:
+        store.set("ref", text)
+        store.set("ref_digest", _digest(text))
+    else:
+        _wait(store, "ref_digest", seconds, lambda: f"rank {first} did not reach {what} within {seconds:g} s")
+    if rank != first and store.get("ref_digest").decode() != _digest(text):
+        differences = _differences(mine, json.loads(store.get("ref")), first)
+        store.set(f"bad/{store.add('bad', 1)}", f"rank {rank} has {differences}")
+    store.set(f"in/{rank}", "1")
+    if store.add("arrived", 1) == len(group):
+        store.set("done", "1")
+    _wait(store, "done", seconds, lambda: _missing(store, what, group, seconds))
+    if rank == first:
+        store.delete_key("ref")
+    return store.add("bad", 0)
 
 
 def _wait(store: dist.Store, key: str, seconds: float, message: Any) -> None:
@@ -205,8 +224,9 @@ def _wait(store: dist.Store, key: str, seconds: float, message: Any) -> None:
         raise ValueError(message()) from None
 
 
-def _missing(store: dist.Store, what: str, world: int, seconds: float) -> str:
-    absent = [r for r in range(min(world, _LISTED_RANKS)) if not store.check([f"in/{r}"])]
+def _missing(store: dist.Store, what: str, group: tuple[int, ...], seconds: float) -> str:
+    world = len(group)
+    absent = [r for r in group[:_LISTED_RANKS] if not store.check([f"in/{r}"])]
     listed = f"rank(s) {absent[:16]}{' ...' if len(absent) > 16 else ''}" if absent else "some ranks"
     return (
         f"{listed} of {world} did not reach {what} within {seconds:g} s (they failed earlier or run a "
@@ -214,10 +234,11 @@ def _missing(store: dist.Store, what: str, world: int, seconds: float) -> str:
     )
 
 
-def _differences(mine: Mapping[str, str], reference: Mapping[str, str]) -> str:
+def _differences(mine: Mapping[str, str], reference: Mapping[str, str], first: int) -> str:
     keys = [k for k in dict.fromkeys([*reference, *mine]) if mine.get(k) != reference.get(k)]
     shown = [
-        f"{k} {_show(mine.get(k))} where rank 0 has {_show(reference.get(k))}" for k in keys[:_MAX_DIFFS]
+        f"{k} {_show(mine.get(k))} where rank {first} has {_show(reference.get(k))}"
+        for k in keys[:_MAX_DIFFS]
     ]
     more = f" (+{len(keys) - _MAX_DIFFS} more differences)" if len(keys) > _MAX_DIFFS else ""
     return ", ".join(shown) + more

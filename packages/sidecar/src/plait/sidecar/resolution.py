@@ -90,7 +90,9 @@ def parallelize_model(model: nn.Module, mesh_context: MeshContext) -> nn.Module:
     parallelizer = get_model_parallelizer(model)
     description = {**describe_mesh_context(mesh_context), **describe_module(model)}
     description["sidecar"] = f"{type(parallelizer).__module__}.{type(parallelizer).__qualname__}"
-    check_ranks_agree("parallelize_model", description)
+    mesh = mesh_context.device_mesh  # under PP each stage's ranks parallelize their own stage
+    ranks = None if mesh is None else mesh.mesh.flatten().tolist()
+    check_ranks_agree("parallelize_model", description, ranks=ranks)
     result = parallelizer.parallelize(model, mesh_context)
     _PARALLELIZED.add(model)
     _PARALLELIZED.add(result)
