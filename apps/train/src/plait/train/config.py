@@ -83,6 +83,8 @@ class ParallelConfig:
     """Tensor-parallel ranks per model replica."""
     ep_size: int = 1
     """Expert-parallel ranks (MoE models only)."""
+    cp_size: int = 1
+    """Context-parallel ranks: each sequence is split over them (fsdp2; data.seq_len a multiple of 2*cp_size)."""
     sequence_parallel: bool = True
     """Shard activations between blocks on the sequence dim (ignored, with a warning, when tp_size is 1)."""
     activation_checkpointing: bool | Literal["full", "selective"] = True
@@ -96,7 +98,11 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _positive(
-            "parallel", dp_replicate_size=self.dp_replicate_size, tp_size=self.tp_size, ep_size=self.ep_size
+            "parallel",
+            dp_replicate_size=self.dp_replicate_size,
+            tp_size=self.tp_size,
+            ep_size=self.ep_size,
+            cp_size=self.cp_size,
         )
         if self.dp_size not in (None, -1):
             _positive("parallel", dp_size=self.dp_size)

@@ -72,6 +72,7 @@ class CommEstimate:
     ddp_all_reduce: float = 0.0
     tp_activations: float = 0.0
     ep_all_to_all: float = 0.0
+    cp_attention: float = 0.0
 
     @property
     def total(self) -> float:
@@ -130,12 +131,58 @@ def comm_estimate(model: nn.Module, ctx: MeshContext, recipe: Recipe, world_size
         # Per layer and pass: 2 all-gathers + 2 reduce-scatters with SP, or 2 all-reduces (each costs
         # an all-gather + a reduce-scatter) without: the same 4 ring passes over the activation.
         est.tp_activations = layers * passes * 4 * per_collective * accum
+    if ctx.cp_size > 1:
+        est.cp_attention = _cp_bytes(model, ctx, recipe) * layers * accum
     if ctx.ep_size > 1:
         e = ctx.ep_size
         est.ep_all_to_all = (
             layers * passes * 2 * (e - 1) / e * tokens * max(top_k, 1) * hidden * act_bytes * accum
         )
     return est
+
+
+def _cp_kv_bytes(model: nn.Module, ctx: MeshContext, recipe: Recipe) -> tuple[int, int]:
+    """``(bytes of this rank's K+V per layer, bytes per activation element)``."""
+    config = getattr(model, "config", None)
+    text = getattr(config, "text_config", None) or config
+    heads = int(getattr(text, "num_attention_heads", 1))
+    head_dim = int(getattr(text, "head_dim", None) or getattr(text, "hidden_size", 0) // heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads) // ctx.tp_size
+    act_bytes = 2 if recipe.parallel.mixed_precision == "bf16" else 4
+    tokens = recipe.data.micro_batch_size * recipe.data.seq_len // ctx.cp_size
+    return 2 * tokens * kv_heads * head_dim * act_bytes, act_bytes
+
+
+def _cp_bytes(model: nn.Module, ctx: MeshContext, recipe: Recipe) -> float:
+    """Bytes one rank sends per layer and micro-batch for cp attention (see docs/cp.md)."""
+    kv, act_bytes = _cp_kv_bytes(model, ctx, recipe)
+    cp, forwards = ctx.cp_size, 2 if ctx.activation_checkpointing else 1
+    sent = forwards * (cp - 1) * kv + (cp - 1) * kv  # K/V out (forward, recompute) + dK/dV or K/V again
+    if ctx.strategy_config.cp_attention == "ring":
+        sent += cp * kv * 4 // act_bytes  # the fp32 dK/dV accumulators go round the ring too
+    return float(sent)
+
+
+def _cp_text(model: nn.Module, ctx: MeshContext, recipe: Recipe) -> str:
+    cp, seq = ctx.cp_size, recipe.data.seq_len
+    chunk = seq // (2 * cp)
+    kv, act_bytes = _cp_kv_bytes(model, ctx, recipe)
+    variant = ctx.strategy_config.cp_attention
+    kept = kv * (cp if variant == "all_gather" else 1)
+    hidden = recipe.data.micro_batch_size * (seq // cp) * _model_dims(model)[0] * act_bytes
+    return "\n".join(
+        [
+            f"context parallel: cp={cp}, cp_attention={variant}: each sequence of {seq} tokens in {2 * cp} "
+            f"chunks of {chunk}; cp rank r holds chunks r and {2 * cp - 1}-r = {seq // cp} tokens per rank",
+            f"  per rank and layer (micro-batch {recipe.data.micro_batch_size}): hidden state "
+            f"{format_bytes(hidden)}, K/V kept for backward {format_bytes(kept)}"
+            + (
+                " (gathered from all cp ranks)"
+                if variant == "all_gather"
+                else " (local; re-sent in backward)"
+            ),
+        ]
+    )
 
 
 def _memory_text(model: nn.Module) -> str:
@@ -190,6 +237,7 @@ def plan(recipe: Recipe, world_size: int) -> str:
             f"model {model_class_name(model)} ({recipe.model.source}, preset {recipe.model.preset})",
             layout_of(model).text(),
             _memory_text(model),
+            *([_cp_text(model, ctx, recipe)] if ctx.cp_size > 1 else []),
             comm_estimate(model, ctx, recipe, world_size).text(),
             f"planned in {time.perf_counter() - start:.1f} s",
         ]

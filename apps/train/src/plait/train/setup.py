@@ -58,7 +58,11 @@ def parallelism_sizes(recipe: Recipe) -> ParallelismSizes:
     """The recipe's sizes (``dp_size`` None = inferred from the world size)."""
     p = recipe.parallel
     return ParallelismSizes(
-        dp_size=p.dp_size, dp_replicate_size=p.dp_replicate_size, tp_size=p.tp_size, ep_size=p.ep_size
+        dp_size=p.dp_size,
+        dp_replicate_size=p.dp_replicate_size,
+        tp_size=p.tp_size,
+        ep_size=p.ep_size,
+        cp_size=p.cp_size,
     )
 
 
@@ -82,6 +86,12 @@ def check_recipe(recipe: Recipe, world_size: int, *, devices: bool = True) -> St
         raise ValueError(
             f"parallel.ep_size {recipe.parallel.ep_size} needs an MoE model (model.source: moe), "
             f"got model.source {recipe.model.source!r}"
+        )
+    cp = recipe.parallel.cp_size
+    if cp > 1 and recipe.data.seq_len % (2 * cp):
+        raise ValueError(
+            f"parallel.cp_size {cp} needs data.seq_len to be a multiple of 2 * cp_size = {2 * cp}, "
+            f"got {recipe.data.seq_len}"
         )
     check_vocabulary(recipe, check_data(recipe))
     return config

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from plait.cp import shard_sequence
 from plait.mesh import (
     DistributedInfo,
     MeshContext,
@@ -147,10 +148,11 @@ class Trainer:
             vision = getattr(self.model, "module", self.model).config.vision_config  # DDP wraps as .module
             images = synthetic_images(indices, vision.num_channels, vision.image_size, self.recipe.train.seed)
             batch["pixel_values"] = images.to(self.device)
-        return batch
+        return shard_sequence(batch, self.ctx) if self.ctx.cp_size > 1 else batch  # this cp rank's tokens
 
     def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        kwargs = {"pixel_values": batch["pixel_values"]} if "pixel_values" in batch else {}
+        keys = ("pixel_values", "position_ids")
+        kwargs = {k: batch[k] for k in keys if k in batch}
         return hf_logits(self.model(batch["input_ids"], **kwargs))
 
     @contextlib.contextmanager

@@ -1,0 +1,55 @@
+"""The trainer with ``parallel.cp_size: 2`` gives the losses of the cp = 1 run of the same recipe (fp32).
+
+The trainer runs in-process on the harness's gloo ranks (one rank for cp = 1, two for cp = 2: the
+same single data-parallel replica, so the same batches).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("plait.train", reason="the trainer (plait-train)")
+
+from plait.testing import run_on_ranks
+
+RECIPE = [
+    "model.hf_config.hidden_size=32",
+    "model.hf_config.intermediate_size=64",
+    "model.hf_config.num_hidden_layers=2",
+    "parallel.activation_checkpointing=false",
+    "data.seq_len=32",
+    "data.micro_batch_size=2",
+    "data.max_bytes=60000",
+    "train.val_batches=1",
+]
+
+
+def _train_losses(run_dir: str, overrides: list[str], steps: int) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    from plait.mesh import DistributedInfo
+    from plait.train.recipes import load_recipe
+    from plait.train.setup import check_recipe
+    from plait.train.trainer import Trainer
+
+    recipe = load_recipe("hf_llama", [*RECIPE, f"out_dir={run_dir}", *overrides])
+    world = dist.get_world_size()
+    info = DistributedInfo(
+        rank=dist.get_rank(), world_size=world, local_rank=dist.get_rank(), device=torch.device("cpu")
+    )
+    trainer = Trainer(recipe, check_recipe(recipe, world), info)
+    losses = [trainer.train_step()["loss"] for _ in range(steps)]
+    losses.append(trainer.validate())
+    return losses
+
+
+def test_cp2_matches_cp1_over_five_steps(tmp_path: Path) -> None:
+    ref = run_on_ranks(_train_losses, 1, str(tmp_path / "cp1"), [], 5)[0]
+    for variant in ("ring", "all_gather"):
+        overrides = ["parallel.cp_size=2", f"parallel.options.cp_attention={variant}"]
+        for got in run_on_ranks(_train_losses, 2, str(tmp_path / variant), overrides, 5):
+            assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5, (variant, ref, got)
+    assert ref[4] < ref[0]  # it trained
