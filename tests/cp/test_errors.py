@@ -98,3 +98,9 @@ def test_forward_refuses_inputs_not_split_by_shard_sequence(fake_pg) -> None:
             model(input_ids=ids, position_ids=good, labels=ids)
         with pytest.raises(ValueError, match="padding attention_mask"):
             model(input_ids=ids, position_ids=good, attention_mask=torch.zeros(1, 8))
+
+
+def test_multimodal_models_are_refused(fake_pg) -> None:
+    models = pytest.importorskip("plait.models")
+    with fake_pg(2), pytest.raises(ValueError, match=r"visual \(VisionTower\): a multimodal tower"):
+        apply_context_parallel(models.VLM(), _ctx())

@@ -1,6 +1,6 @@
 """Context parallel end to end through `parallelize_model`: loss, every gradient, params after 2 SGD steps.
 
-Both variants on HF Llama and Qwen3 (fp32, gloo). Each multi-rank body runs several configurations
+Both variants on plait.models' decoder, HF Llama and Qwen3 (fp32, gloo). Each multi-rank body runs several configurations
 so the workers are reused; the full matrix (8 ranks, the reference decoder) is in
 ``tools/bench/cp_bench.py --parity``.
 """
@@ -19,13 +19,14 @@ pytest.importorskip("plait.sidecar", reason="end to end through parallelize_mode
 TWO_RANKS: list[tuple[Any, ...]] = [
     ("llama", {"cp_size": 2}, {"cp_attention": "all_gather"}),
     ("qwen3", {"cp_size": 2}, {"cp_attention": "ring"}),
+    ("dense", {"cp_size": 2}, {"cp_attention": "all_gather"}),  # plait.models' attention_fn
 ]
 FOUR_RANKS: list[tuple[Any, ...]] = [
-    ("llama", {"cp_size": 4}, {"cp_attention": "ring"}),
+    ("dense", {"cp_size": 4}, {"cp_attention": "ring"}),
     ("qwen3", {"cp_size": 4}, {"cp_attention": "all_gather"}),
     ("qwen3", {"cp_size": 2}, {"cp_attention": "ring"}),  # dp_shard 2 x cp 2
     ("llama", {"cp_size": 2, "tp_size": 2}, {"cp_attention": "all_gather", "sequence_parallel": True}),
-    ("llama", {"cp_size": 2, "tp_size": 2}, {"cp_attention": "ring"}, "full"),  # + activation checkpointing
+    ("dense", {"cp_size": 2, "tp_size": 2}, {"cp_attention": "ring"}, "full"),  # + activation checkpointing
 ]
 
 

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 __all__ = ["apply_context_parallel", "check_context_parallel_support"]
 
 _FORWARD_ONLY_KWARGS = ("labels", "use_cache", "past_key_values", "cache")
+_MEDIA_TOWERS = ("visual", "vision_tower", "vision_model", "audio_tower")
+"""Child names of multimodal encoders: their tokens are not sequence-sharded, so their attention must stay."""
 
 
 def check_context_parallel_support(mesh_context: MeshContext) -> None:
@@ -80,7 +82,12 @@ def _find_attention(model: nn.Module) -> tuple[list[nn.Module], list[tuple[nn.Mo
     for name, module in model.named_modules():
         if id(module) in claimed:
             continue
-        if is_hf_model(module):
+        if name.rsplit(".", 1)[-1] in _MEDIA_TOWERS:
+            problems.append(
+                f"{name} ({type(module).__name__}): a multimodal tower; cp is not built for multimodal models"
+            )
+            claimed.update(id(m) for m in module.modules())
+        elif is_hf_model(module):
             why = hf_refusal(module)
             if why is not None:
                 problems.append(f"{name or '<root>'}: {why}")
