@@ -98,7 +98,8 @@ def _hf_attention(
         if kwargs.get(key_name) is not None:
             raise ValueError(f"{type(module).__name__}: cp attention does not implement {key_name}")
     if is_causal is None:
-        is_causal = getattr(module, "is_causal", True) and getattr(module.config, "is_causal", True)
+        config = getattr(module, "config", None)
+        is_causal = getattr(module, "is_causal", True) and getattr(config, "is_causal", True)
     out = attention(
         query, key, value, attention_mask, dropout, is_causal=is_causal, scale=scaling, enable_gqa=True
     )
