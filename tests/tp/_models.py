@@ -94,19 +94,29 @@ class RemoteCodeLM(ConfiguredLM):
     _auto_class = "AutoModelForCausalLM"
 
 
+class FusedExperts(nn.Module):
+    """Transformers-5 style fused experts: 3-D ``gate_up_proj`` / ``down_proj`` (no forward needed here)."""
+
+    def __init__(self, experts: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.randn(experts, hidden, inter))
+
+
 class _PlanLanguage(_Backbone):
     _tp_plan = {  # noqa: RUF012 (HF style class attribute)
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+        "layers.*.mlp.experts.down_proj": "rowwise",
         "layers.*.mlp.experts": "moe_tp_experts",
-        "layers.*.mlp.gate": "ep_router",
         "layers.*.mlp.down_proj": "rowwise_split_input",
     }
 
     def __init__(self) -> None:
         super().__init__(50, 16, 2, 4, 2, False)
         for layer in self.layers:
-            layer.mlp.experts = nn.Linear(16, 16)
+            layer.mlp.experts = FusedExperts(4, 16, 8)
             layer.mlp.gate = nn.Linear(16, 2)
 
 

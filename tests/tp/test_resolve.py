@@ -11,6 +11,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from plait.tp import (
+    ExpertsTensorParallel,
     GatherSequenceInput,
     ReplicatedWithGradAllReduce,
     ReplicateParallel,
@@ -207,14 +208,41 @@ def test_hf_plan_with_embed_missing_is_completed() -> None:
     assert plan is not None and type(plan["model.embed_tokens"]) is VocabParallelEmbedding
 
 
-def test_hf_nested_provider_prefers_language_model_and_drops_moe_styles() -> None:
+def test_hf_nested_provider_prefers_language_model_and_shards_fused_experts() -> None:
     plan = _quiet_resolve(NestedPlanVLM())
     prefix = "model.language_model."
     assert type(plan[f"{prefix}embed_tokens"]) is VocabParallelEmbedding  # added: the plan lacked it
     assert type(plan[f"{prefix}layers.*.self_attn.q_proj"]) is ColwiseParallel
     assert plan[f"{prefix}layers.*.mlp.down_proj"].input_layouts == (Replicate(),)  # rowwise_split_input
-    assert not any("experts" in key or key.endswith("mlp.gate") for key in plan)
+    experts = plan[f"{prefix}layers.*.mlp.experts"]  # never silently replicated
+    assert type(experts) is ExpertsTensorParallel
+    assert experts.param_styles == {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
+    assert not any(key.endswith(("gate_up_proj", "experts.down_proj", "mlp.gate")) for key in plan)
     assert not any(key.startswith("vision_tower") for key in plan)
+
+
+@pytest.mark.parametrize(
+    ("key", "style", "why"),
+    [
+        ("model.layers.*.mlp", "all_reduce", "all-reduce of a module's output"),
+        ("model.layers.*.mlp.gate_proj", "ep_router", "does not implement"),
+        ("model.layers.*.mlp.gate_proj.weight", "replicate", "a parameter can only take"),
+    ],
+)
+def test_hf_plan_refuses_styles_it_does_not_build(key: str, style: str, why: str) -> None:
+    model = UnregisteredLlama(hf_config("llama"))
+    vars(model)["_tp_plan"][key] = style
+    with pytest.raises(
+        ValueError, match=rf"UnregisteredLlama \(model_type 'llama'\).*{style!r}.*{why}.*tp_size 1"
+    ):
+        resolve_tp_plan(model, tp_size=2)
+
+
+def test_hf_plan_refuses_sharded_parameters_without_an_owner_style() -> None:
+    model = UnregisteredLlama(hf_config("llama"))
+    vars(model)["_tp_plan"]["model.norm.weight"] = "colwise"
+    with pytest.raises(ValueError, match=r"gives 'model\.norm' itself no style"):
+        resolve_tp_plan(model, tp_size=2)
 
 
 def test_hf_plan_unmatched_pattern_is_a_warning_and_dropped() -> None:

@@ -8,10 +8,11 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from plait.tp.plans import model_embeddings, module_fqn
+from plait.tp.discovery import model_embeddings, module_fqn
+from plait.tp.regions import install_region_hooks, plan_regions, shards_output
 from plait.tp.resolve import normalize_plan, unmatched_message
 from plait.tp.validate import KV_HEAD_ATTRS, Q_HEAD_ATTRS, check_divisible
 
@@ -94,12 +95,15 @@ def _layout(param: Any) -> str:
     return str(param.placements) if isinstance(param, DTensor) else "not sharded"
 
 
-def _head_modules(model: nn.Module, pairs: list[tuple[str, ParallelStyle]], tp_size: int) -> list[nn.Module]:
-    """Modules with head-count attributes whose direct child gets a column-wise (head-sharding) style."""
-    head = module_fqn(model, model_embeddings(model, "get_output_embeddings"))
-    colwise_parents = {
-        fqn.rpartition(".")[0] for fqn, style in pairs if isinstance(style, ColwiseParallel) and fqn != head
-    }
+def _head_modules(
+    model: nn.Module, pairs: list[tuple[str, ParallelStyle]], tp_size: int, head: str | None
+) -> list[nn.Module]:
+    """Modules with head-count attributes whose direct child shards its output column-wise (by head).
+
+    A column-wise projection whose output is gathered (``colwise_gather_output``) hands the module
+    every head, so its head counts stay as they are.
+    """
+    colwise_parents = {fqn.rpartition(".")[0] for fqn, style in pairs if shards_output(style) and fqn != head}
     found: list[nn.Module] = []
     for fqn in sorted(colwise_parents):
         module = model.get_submodule(fqn)
@@ -119,9 +123,12 @@ def _rewrite_local_heads(modules: list[nn.Module], tp_size: int) -> None:
                 setattr(module, attr, value // tp_size)
 
 
-def _is_colwise_sharded(module: nn.Module) -> bool:
-    weight = getattr(module, "weight", None)
-    return isinstance(weight, DTensor) and weight.placements == (Shard(0),)
+def _validate_styles(model: nn.Module, pairs: list[tuple[str, ParallelStyle]], tp_size: int) -> None:
+    """Run the styles' own checks (those that define ``validate``) before any of them communicates."""
+    for fqn, style in pairs:
+        validate = getattr(style, "validate", None)
+        if callable(validate):
+            validate(fqn, model.get_submodule(fqn), tp_size)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle | str]) -> nn.Module:
@@ -130,13 +137,16 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelS
     Patterns are expanded with ``fnmatch`` over module FQNs (a pattern matching nothing, or two patterns
     matching one module, is an error) and each matched module gets ``parallelize_module`` in plan
     order. Parameters tied before (e.g. input embedding and ``lm_head``) are tied again afterwards.
-    Attention modules whose projections were sharded column-wise get local head counts
+    Attention modules whose projections shard their outputs column-wise get local head counts
     (``num_heads``, ``num_key_value_heads``, ... divided by the TP size; ``head_dim`` kept; configs are
-    not touched).
+    not touched); gathered outputs leave them whole. Every parameterised module inside a block with
+    sharded projections gets replicated DTensor parameters whose gradient is summed over TP exactly
+    when the module ran on sharded activations (see ``plan_regions``).
 
     Raises:
         ValueError: a non 1-D mesh, unmatched or overlapping patterns, tied parameters only partly in the
-            plan or sharded differently, head counts not divisible by the TP size.
+            plan or sharded differently, head counts not divisible by the TP size, a style's own check
+            (e.g. experts parameters the plan leaves whole). All raised before any collective.
     """
     if tp_mesh.ndim != 1:
         raise ValueError(
@@ -144,11 +154,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelS
         )
     tp_size = tp_mesh.size()
     pairs = _expand(model, normalize_plan(plan, "tp_plan"))
-    heads = _head_modules(model, pairs, tp_size)
+    head = module_fqn(model, model_embeddings(model, "get_output_embeddings"))
+    heads = _head_modules(model, pairs, tp_size, head)
+    regions, pairs = plan_regions(model, pairs, head)
     tied = _tied_groups(model)
     _check_tied_coverage(tied, {fqn for fqn, _ in pairs})
+    _validate_styles(model, pairs, tp_size)
     for fqn, style in pairs:
         parallelize_module(model.get_submodule(fqn), tp_mesh, style)
+    install_region_hooks(model, regions)
     _retie(tied)
-    _rewrite_local_heads([m for m in heads if any(_is_colwise_sharded(c) for c in m.children())], tp_size)
+    _rewrite_local_heads(heads, tp_size)
     return model

@@ -13,35 +13,16 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
 )
 
-from plait.tp.plans import _language_rank, find_decoder, model_embeddings, module_fqn, register_tp_plan
-from plait.tp.styles import (
-    ReplicatedWithGradAllReduce,
-    ReplicateParallel,
-    SequenceParallelAllGather,
-    SequenceParallelNorm,
-    VocabParallelEmbedding,
-    loss_parallel_head,
-    parse_style,
-)
+from plait.tp.discovery import find_decoder, language_rank, model_embeddings, module_fqn
+from plait.tp.embedding import VocabParallelEmbedding
+from plait.tp.experts import PARAM_STYLES, ExpertsTensorParallel, LocalParamsParallel, MlaKvAProjParallel
+from plait.tp.registry import register_tp_plan
+from plait.tp.replicate import ReplicatedWithGradAllReduce, ReplicateParallel
+from plait.tp.sequence import SequenceParallelAllGather, SequenceParallelNorm
+from plait.tp.styles import REFUSED_STYLES, loss_parallel_head, parse_style
 
 __all__ = ["hf_tp_plan", "is_remote_code_model"]
 
-# Hugging Face MoE / expert-parallel styles: dropped, so experts stay replicated under TP.
-_MOE_STYLES = frozenset(
-    {
-        "ep_dispatch_experts",
-        "ep_router",
-        "gather",
-        "grouped_gemm",
-        "local",
-        "local_colwise",
-        "local_packed_rowwise",
-        "local_rowwise",
-        "moe_identity_expert",
-        "moe_tp_experts",
-    }
-)
-_HF_ALIASES = {"rowwise_split_input": "rowwise_rep"}
 _HEAD_STYLES = frozenset({"colwise_rep", "colwise_gather_output", "colwise"})
 
 
@@ -72,22 +53,100 @@ def _collect(model: nn.Module) -> dict[str, Any]:
     plan = _own_plan(model)
     nested = [(fqn, own) for fqn, m in model.named_modules() if fqn and (own := _own_plan(m))]
     if nested:
-        fqn, own = max(nested, key=lambda item: (_language_rank(item[0]), item[0].count(".")))
+        fqn, own = max(nested, key=lambda item: (language_rank(item[0]), item[0].count(".")))
         for key, style in own.items():
             plan.setdefault(f"{fqn}.{key}", style)
     return plan
 
 
-def _translate(model: nn.Module, key: str, style: Any) -> ParallelStyle:
+def _family(model: nn.Module) -> str:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return f"{type(model).__name__} (model_type {model_type!r})" if model_type else type(model).__name__
+
+
+def _refuse(model: nn.Module, key: str, style: Any, why: str) -> ValueError:
+    return ValueError(
+        f"the Hugging Face TP plan of {_family(model)} uses style {style!r} for {key!r}: {why}; pass tp_plan= "
+        "(a dict, a registered plan name, or 'pkg.mod:ATTR') without it, or use tp_size 1"
+    )
+
+
+def _split_param_entries(
+    model: nn.Module, raw: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, dict[str, str]]]:
+    """Separate entries naming parameters (``experts.gate_up_proj``) from entries naming modules.
+
+    Returns:
+        The module entries and, per owner pattern, ``{parameter name: style}``.
+    """
+    params = [name for name, _ in model.named_parameters()]
+    modules: dict[str, Any] = {}
+    owned: dict[str, dict[str, str]] = {}
+    for key, style in raw.items():
+        if isinstance(style, str) and any(fnmatchcase(name, key) for name in params):
+            if style not in PARAM_STYLES:
+                raise _refuse(model, key, style, f"a parameter can only take one of {sorted(PARAM_STYLES)}")
+            owner, _, name = key.rpartition(".")
+            owned.setdefault(owner, {})[name] = style
+        else:
+            modules[key] = style
+    return modules, owned
+
+
+def _rope_dim(model: nn.Module, key: str) -> int:
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    rope = getattr(config, "qk_rope_head_dim", None)
+    if not isinstance(rope, int) or rope <= 0:
+        raise _refuse(model, key, "mla_kv_a_proj", "the config has no positive `qk_rope_head_dim`")
+    return rope
+
+
+def _translate(model: nn.Module, key: str, style: Any, params: dict[str, str]) -> ParallelStyle:
+    """One module entry as a style; ``params`` are the plan's entries for that module's own parameters."""
     if isinstance(style, ParallelStyle):
         return style
+    if style == "moe_tp_experts":
+        return ExpertsTensorParallel(params)
+    if style == "local_params":
+        return LocalParamsParallel(params)
+    if params:
+        raise _refuse(
+            model,
+            key,
+            style,
+            f"the plan also shards its parameters {sorted(params)}, which that style cannot run",
+        )
+    if style == "mla_kv_a_proj":
+        return MlaKvAProjParallel(_rope_dim(model, key))
     try:
-        return parse_style(_HF_ALIASES.get(style, style))
+        return parse_style(style)
     except ValueError:
-        raise ValueError(
-            f"Hugging Face TP plan of {type(model).__name__} uses style {style!r} for {key!r}, which plait cannot "
-            "translate; pass tp_plan= (a dict, a registered plan name, or 'pkg.mod:ATTR')"
-        ) from None
+        why = (
+            REFUSED_STYLES.get(style, "plait does not implement that style") if isinstance(style, str) else ""
+        )
+        raise _refuse(model, key, style, why or "not a style string") from None
+
+
+def _translate_all(model: nn.Module, raw: dict[str, Any], head: str | None) -> dict[str, ParallelStyle]:
+    modules, owned = _split_param_entries(model, raw)
+    orphans = sorted(set(owned) - set(modules))
+    if orphans:
+        owner = orphans[0]
+        raise _refuse(
+            model,
+            f"{owner}.{next(iter(owned[owner]))}",
+            next(iter(owned[owner].values())),
+            f"the plan shards parameters of {owner!r} but gives {owner!r} itself no style that runs them "
+            "(moe_tp_experts or local_params)",
+        )
+    plan: dict[str, ParallelStyle] = {}
+    for key, style in modules.items():
+        if head is not None and fnmatchcase(head, key) and style in _HEAD_STYLES:
+            plan[key] = loss_parallel_head(sequence_parallel=False)
+        else:
+            plan[key] = _translate(model, key, style, owned.get(key, {}))
+    return plan
 
 
 def _sequence_parallel(
@@ -109,20 +168,20 @@ def _sequence_parallel(
             out[key] = loss_parallel_head(sequence_parallel=True)
         elif isinstance(style, VocabParallelEmbedding) and key == f"{prefix}embed_tokens":
             out[key] = VocabParallelEmbedding(output_layouts=Shard(1), use_local_output=False)
-        elif (
-            key.startswith(layers) and type(style) is ColwiseParallel and style.output_layouts == (Shard(-1),)
-        ):
-            out[key] = ColwiseParallel(input_layouts=Shard(1))
-        elif (
-            key.startswith(layers) and type(style) is RowwiseParallel and style.input_layouts == (Shard(-1),)
-        ):
-            out[key] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+        elif key.startswith(layers) and type(style) is ColwiseParallel:
+            # Sharded or gathered output alike: a Shard(1) DTensor input (the residual stream) is
+            # all-gathered by the style itself, a plain one is whole already.
+            out[key] = style
+        elif key.startswith(layers) and type(style) is RowwiseParallel:
+            out[key] = RowwiseParallel(
+                input_layouts=style.input_layouts[0], output_layouts=Shard(1), use_local_output=False
+            )
         elif key.startswith(layers) and isinstance(style, ReplicatedWithGradAllReduce):
             out[key] = style
         else:
             raise ValueError(
-                f"cannot combine sequence_parallel with the Hugging Face TP plan entry {key!r} of "
-                f"{type(model).__name__}; set sequence_parallel=False or pass tp_plan="
+                f"cannot combine sequence_parallel with the Hugging Face TP plan entry {key!r} "
+                f"({type(style).__name__}) of {_family(model)}; set sequence_parallel=False or pass tp_plan="
             )
     norms = _add_norms(out, base_fqn, base, sequence_parallel=True)
     final = f"{prefix}norm"
@@ -158,26 +217,22 @@ def hf_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
 
     The root's class ``_tp_plan`` merged with its instance ``_tp_plan``, completed by the most specific
     nested provider (a ``language_model`` / ``text_model`` path first, then the deepest), keys prefixed
-    with its path. The input embedding is added as vocab-parallel when missing, MoE styles are dropped
-    (experts stay replicated), and a gathered ``lm_head`` becomes a loss-parallel head (vocab-sharded
-    ``DTensor`` logits). For a Llama-style decoder the norms get replicated DTensor weights, and with
+    with its path. The input embedding is added as vocab-parallel when missing, entries naming
+    parameters (fused experts' ``gate_up_proj``, attention sinks) go to their owner's style
+    (``moe_tp_experts`` shards every expert, ``local_params``), and a gathered ``lm_head`` becomes a
+    loss-parallel head (vocab-sharded ``DTensor`` logits). A style plait does not implement is refused,
+    naming the family, the entry, the style and a way out. For a Llama-style decoder the norms get replicated DTensor weights, and with
     ``sequence_parallel`` the plan is re-laid-out for a ``Shard(1)`` residual stream.
 
     Raises:
-        ValueError: a style plait cannot translate, or an entry that cannot be made sequence parallel.
+        ValueError: a style plait cannot translate, or an entry that cannot be made sequence parallel
+            (both before any collective).
     """
     raw = _collect(model)
     if not raw:
         return None
     head = module_fqn(model, model_embeddings(model, "get_output_embeddings"))
-    plan: dict[str, ParallelStyle] = {}
-    for key, style in raw.items():
-        if isinstance(style, str) and style in _MOE_STYLES:
-            continue
-        if head is not None and fnmatchcase(head, key) and style in _HEAD_STYLES:
-            plan[key] = loss_parallel_head(sequence_parallel=False)
-        else:
-            plan[key] = _translate(model, key, style)
+    plan = _translate_all(model, raw, head)
     embed = module_fqn(model, model_embeddings(model, "get_input_embeddings"))
     if plan and embed is not None and not any(fnmatchcase(embed, key) for key in plan):
         plan = {embed: VocabParallelEmbedding(), **plan}

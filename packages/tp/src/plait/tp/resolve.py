@@ -14,7 +14,8 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from plait.tp.hf import hf_tp_plan, is_remote_code_model
-from plait.tp.plans import _NAMED_PLANS, _model_class_plan, _named_plan, llama_tp_plan
+from plait.tp.llama import llama_tp_plan
+from plait.tp.registry import model_class_plan, named_plan, registered_plan_names
 from plait.tp.styles import parse_style
 
 __all__ = ["normalize_plan", "resolve_tp_plan", "unmatched_message"]
@@ -78,7 +79,7 @@ def _from_user(plan: Any, model: nn.Module, sequence_parallel: bool, what: str) 
     if isinstance(plan, Mapping):
         return f"explicit {what}", plan
     if isinstance(plan, str):
-        factory = _named_plan(plan)
+        factory = named_plan(plan)
         if factory is not None:
             found = factory(model, sequence_parallel)
             if found is None:
@@ -89,7 +90,7 @@ def _from_user(plan: Any, model: nn.Module, sequence_parallel: bool, what: str) 
         if ":" in plan:
             return f"{what} {plan!r}", _import_plan(plan, model, sequence_parallel)
         raise ValueError(
-            f"unknown {what} {plan!r}: not a registered plan name (registered: {', '.join(sorted(_NAMED_PLANS))}) "
+            f"unknown {what} {plan!r}: not a registered plan name (registered: {', '.join(registered_plan_names())}) "
             f"nor an import path; expected {_FORMS}"
         )
     raise TypeError(f"{what} must be {_FORMS}; got {type(plan).__name__}")
@@ -107,7 +108,7 @@ def _pick(
                 return "sidecar tp_plan", found
         else:
             return _from_user(model_plan, model, sequence_parallel, "sidecar tp_plan")
-    factory = _model_class_plan(model)
+    factory = model_class_plan(model)
     if factory is not None:
         return f"plan registered for {type(model).__name__}", factory(model, sequence_parallel)
     found = hf_tp_plan(model, sequence_parallel)

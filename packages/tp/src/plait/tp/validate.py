@@ -7,7 +7,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from plait.tp.plans import _language_rank
+from plait.tp.discovery import language_rank
 
 __all__ = ["Q_HEAD_ATTRS", "KV_HEAD_ATTRS", "check_divisible", "validate_tp_mesh"]
 
@@ -29,7 +29,7 @@ def _language_config(model: nn.Module) -> Any:
         config = _text_config(getattr(module, "config", None))
         if config is None or not hasattr(config, "num_attention_heads"):
             continue
-        rank = (_language_rank(fqn), fqn.count(".") + bool(fqn))
+        rank = (language_rank(fqn), fqn.count(".") + bool(fqn))
         if best is None or rank > best[0]:
             best = (rank, config)
     return None if best is None else best[1]

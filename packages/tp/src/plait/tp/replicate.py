@@ -1,0 +1,165 @@
+"""Replicated parameters on the TP mesh whose gradients come out complete wherever the module runs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.placement_types import Placement
+
+from plait.tp.embedding import check_1d
+
+__all__ = ["ReplicateParallel", "ReplicatedWithGradAllReduce", "ShardedRegion", "sum_partial_grad"]
+
+
+class ShardedRegion:
+    """Tells whether an activation inside a block is sharded over TP, from where it was computed.
+
+    A block (an attention or MLP module) whose column-wise projections return sharded outputs
+    records, per forward call, the autograd nodes of those outputs (``mark``) and of its own inputs
+    (``enter``). A parameterised module called inside the block sees sharded activations exactly
+    when its input was computed from a sharded projection output, found by walking the autograd
+    graph back from the input and stopping at the block's inputs. Such a module's parameter
+    gradient is partial (this rank's heads or features only); one fed from the block's whole input
+    (a latent-attention norm before its projection) gets a complete gradient. Per call, so it also
+    holds under activation checkpointing.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._sharded: set[Any] = set()
+        self._stops: set[Any] = set()
+
+    def enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Forward pre-hook of the block: a new call, whose inputs bound the graph walk."""
+        self._sharded = set()
+        values = [*args, *kwargs.values()]
+        self._stops = {v.grad_fn for v in values if isinstance(v, torch.Tensor) and v.grad_fn is not None}
+
+    def mark(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """Forward hook of a column-wise projection: its output is sharded."""
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None:
+            self._sharded.add(output.grad_fn)
+
+    def sees_shards(self, value: Any) -> bool:
+        """Whether ``value`` was computed (in this call of the block) from a sharded projection output."""
+        if not isinstance(value, torch.Tensor) or value.grad_fn is None or not self._sharded:
+            return False
+        stack, seen = [value.grad_fn], set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen or node in self._stops:
+                continue
+            if node in self._sharded:
+                return True
+            seen.add(node)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        return False
+
+
+def sum_partial_grad(grad: torch.Tensor) -> torch.Tensor:
+    """Gradient hook: sum a ``Partial`` DTensor gradient over the mesh; a complete one passes through."""
+    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+        return grad.redistribute(placements=[Replicate()] * len(grad.placements))
+    return grad
+
+
+class ReplicateParallel(ParallelStyle):
+    """Keep a module whole on every TP rank, its parameters as ``Replicate()`` DTensors.
+
+    For modules outside the sharded regions (e.g. norms without sequence parallel) so that every
+    parameter of a TP model is a DTensor on the TP mesh: foreach optimizers and a plain
+    ``clip_grad_norm_`` refuse parameters on different meshes. A plain first input is read as
+    ``input_layouts`` (default ``Replicate()``: every rank holds the same activation) and the module
+    runs on local tensors (the parameters enter through ``to_local``), so it costs no DTensor
+    dispatch; a ``DTensor`` input runs through DTensor as is. When ``region`` is set (``apply_tp``
+    sets it for modules inside a block with sharded projections), the region decides instead, per
+    call: an input computed from sharded projection outputs gives partial gradients, a whole one
+    complete gradients.
+    Partial gradients are summed over the TP group by a gradient hook, exactly once. The output is a
+    plain tensor unless ``use_local_output=False``.
+    """
+
+    def __init__(self, *, input_layouts: Placement | None = None, use_local_output: bool = True) -> None:
+        super().__init__()
+        self.input_layouts = input_layouts or Replicate()
+        self.use_local_output = use_local_output
+        self.region: ShardedRegion | None = None
+
+    def _replicate_params(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for p_name, param in list(module.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):
+                continue
+            replicated = nn.Parameter(
+                DTensor.from_local(param, device_mesh, [Replicate()], run_check=False),
+                requires_grad=param.requires_grad,
+            )
+            if replicated.requires_grad:
+                replicated.register_hook(sum_partial_grad)
+            module.register_parameter(p_name, replicated)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        check_1d(self, device_mesh)
+        distribute_module(module, device_mesh, self._replicate_params)
+        module.forward = partial(_replicated_forward, module, module.forward, self, device_mesh)
+        return module
+
+
+def _grad_placement(style: ReplicateParallel, first: Any) -> Placement:
+    if style.region is not None:
+        return Partial() if style.region.sees_shards(first) else Replicate()
+    # Replicated inputs give every rank the same parameter gradient; sharded ones give partial sums.
+    return Replicate() if isinstance(style.input_layouts, Replicate) else Partial()
+
+
+def _replicated_forward(
+    module: nn.Module,
+    forward: Callable[..., Any],
+    style: ReplicateParallel,
+    mesh: DeviceMesh,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    first = args[0] if args else next(iter(kwargs.values()), None)
+    if isinstance(first, DTensor):
+        out = forward(*args, **kwargs)
+        return out.to_local() if style.use_local_output and isinstance(out, DTensor) else out
+    grad_placement = _grad_placement(style, first)
+    params = dict(module._parameters)
+    for name, param in params.items():
+        if isinstance(param, DTensor):
+            # Written to the registry directly, as FSDP2 does with its unsharded parameters; the
+            # DTensor parameters are put back below, so state_dict and optimizers never see these.
+            module._parameters[name] = param.to_local(grad_placements=[grad_placement])
+    try:
+        out = forward(*args, **kwargs)
+    finally:
+        module._parameters.update(params)
+    if style.use_local_output or not isinstance(out, torch.Tensor) or not isinstance(first, torch.Tensor):
+        return out
+    layout = style.input_layouts
+    if isinstance(layout, Shard):
+        layout = Shard(layout.dim % first.ndim)
+    return DTensor.from_local(out, mesh, [layout], run_check=False)
+
+
+class ReplicatedWithGradAllReduce(ReplicateParallel):
+    """Replicated parameters applied to activations that differ per TP rank; gradients summed over TP.
+
+    For norms that run on sharded activations without reducing over the sharded dim, e.g. Qwen3's
+    per-head ``q_norm``/``k_norm`` after a column-wise projection (each rank sees its own heads). The
+    plain input is read as ``Shard(input_dim)`` (default: the heads dim, ``-2``), so autograd yields a
+    partial gradient, and the gradient hook sums it over the TP group: ``param.grad`` is a
+    ``Replicate()`` DTensor and nothing is left to the training loop. Inside a block with sharded
+    projections ``apply_tp`` lets the block's region decide (see ``ReplicateParallel``), so a norm
+    on a whole activation is not reduced. The output is a plain tensor.
+    """
+
+    def __init__(self, *, input_dim: int = -2, use_local_output: bool = True) -> None:
+        super().__init__(input_layouts=Shard(input_dim), use_local_output=use_local_output)

@@ -1,0 +1,129 @@
+"""Sequence-parallel styles: norms on sequence shards, one all-gather per block, rotary on the whole sequence."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
+
+from plait.tp.embedding import check_1d
+from plait.tp.replicate import sum_partial_grad
+
+__all__ = [
+    "GatherSequenceInput",
+    "RotaryEmbeddingParallel",
+    "SequenceParallelAllGather",
+    "SequenceParallelNorm",
+]
+
+
+class SequenceParallelNorm(SequenceParallel):
+    """``SequenceParallel`` (input and output ``Shard(sequence_dim)``) with summed parameter gradients.
+
+    The replicated norm weights see a different slice of the sequence on each rank, so autograd gives
+    them partial gradients; a gradient hook sums them over the TP group, so ``param.grad`` is a
+    ``Replicate()`` DTensor and nothing is left to the optimizer or the training loop.
+    """
+
+    def _replicate_module_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        super()._replicate_module_fn(name, module, device_mesh)
+        for param in module.parameters():
+            if param.requires_grad:
+                param.register_hook(sum_partial_grad)
+
+
+class SequenceParallelAllGather(SequenceParallelNorm):
+    """A sequence-parallel norm whose output is all-gathered on the sequence dim.
+
+    Input arrives sharded on ``sequence_dim`` (as ``SequenceParallel``); the output is ``Replicate()``,
+    for a norm followed by modules that expect the full sequence (e.g. a head that is not in the plan).
+    """
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = True) -> None:
+        super().__init__(sequence_dim=sequence_dim, use_local_output=use_local_output)
+
+    @staticmethod
+    def _prepare_output_fn(
+        use_local_output: bool, mod: nn.Module, outputs: Any, device_mesh: DeviceMesh
+    ) -> Any:
+        gathered = outputs.redistribute(placements=[Replicate()])
+        return gathered.to_local() if use_local_output else gathered
+
+
+def _to_full(value: Any) -> Any:
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if isinstance(value, tuple | list):
+        return type(value)(_to_full(v) for v in value)
+    return value
+
+
+class GatherSequenceInput(ParallelStyle):
+    """All-gather a block's sequence-sharded hidden states once, before its column-wise projections.
+
+    Under sequence parallel an attention or MLP block receives ``Shard(1)`` hidden states; gathering
+    them here (first positional argument, else the ``hidden_states`` keyword, so both plait's and
+    Hugging Face's call conventions work) lets q/k/v or gate/up share one all-gather in forward and
+    one reduce-scatter in backward instead of one each. The block receives a replicated ``DTensor``;
+    its column-wise projections return plain local tensors.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        check_1d(self, device_mesh)
+        module.register_forward_pre_hook(partial(_gather_sequence_pre_hook, device_mesh), with_kwargs=True)
+        return module
+
+
+def _gather_sequence(value: Any, mesh: DeviceMesh) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if not isinstance(value, DTensor):
+        value = DTensor.from_local(value, mesh, (Shard(1),), run_check=False)
+    # Stays a replicated DTensor: the projections' input-gradient partial sums then add up as one
+    # Partial DTensor and leave through a single reduce-scatter; a plain tensor here would make each
+    # projection all-reduce its own input gradient (torch's from_local backward).
+    return value.redistribute(mesh, (Replicate(),))
+
+
+def _gather_sequence_pre_hook(
+    mesh: DeviceMesh, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if args:
+        return (_gather_sequence(args[0], mesh), *args[1:]), kwargs
+    if "hidden_states" in kwargs:
+        return args, {**kwargs, "hidden_states": _gather_sequence(kwargs["hidden_states"], mesh)}
+    raise ValueError(
+        f"{type(module).__name__} was called with neither a positional input nor `hidden_states`; "
+        "GatherSequenceInput cannot find the hidden states to gather"
+    )
+
+
+class RotaryEmbeddingParallel(ParallelStyle):
+    """Run a rotary-embedding module on whole-sequence plain tensors under sequence parallel.
+
+    The cos/sin tables must cover the full sequence on every rank (attention runs on the gathered
+    sequence). Inputs that arrive as ``DTensor`` (a sequence-sharded hidden state, replicated position
+    ids) are gathered to full plain tensors before the module runs, and ``DTensor`` outputs are
+    gathered too; plain tensors pass through untouched. The module has no parameters to shard.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        check_1d(self, device_mesh)
+        module.register_forward_pre_hook(_rotary_pre_hook, with_kwargs=True)
+        module.register_forward_hook(_rotary_post_hook)
+        return module
+
+
+def _rotary_pre_hook(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return _to_full(args), {k: _to_full(v) for k, v in kwargs.items()}
+
+
+def _rotary_post_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    return _to_full(output)

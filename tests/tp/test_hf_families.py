@@ -1,0 +1,46 @@
+"""Hugging Face families under dp_shard=2 x tp=2 (SP off / on) and tp=4 match the unsharded reference.
+
+The fast CI subset of ``tools/hf_sweep``: Gemma3 (scaled embedding, q/k norms, sliding-window layers
+with a sequence longer than the window), Gemma2 (scaled embedding), Phi3 (fused, gathered ``qkv_proj``),
+Qwen3 (q/k norms, tied embeddings), Llama. Per-parameter gradients at step 0 and parameters after 2
+SGD steps within 1e-5 of the reference (relative to its largest magnitude per parameter).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from plait.testing import run_on_ranks
+from tests.tp._hf_families import Family, family_parity
+
+SLIDING = {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}  # window 4 < seq 8
+FAMILIES: list[Family] = [
+    ("gemma3_text", SLIDING),
+    ("gemma2", {"sliding_window": 4}),
+    ("phi3", {}),
+    ("qwen3", {"tie_word_embeddings": True}),
+    ("llama", {}),
+]
+TP4 = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8}
+
+
+def _check(results: list[dict[str, dict[str, Any]]], expected: list[Family]) -> None:
+    failures = []
+    for rank_results in results:
+        assert sorted(rank_results) == sorted(name for name, _ in expected)
+        for name, r in rank_results.items():
+            if max(r["loss"], r["grad"], r["param"]) > 1e-5:
+                failures.append((name, r))
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
+def test_families_dp_shard2_tp2(sp: bool) -> None:
+    _check(run_on_ranks(family_parity, 4, FAMILIES, 2, sp, timeout=400), FAMILIES)
+
+
+def test_families_tp4() -> None:
+    families = [(name, {**overrides, **TP4}) for name, overrides in FAMILIES]
+    _check(run_on_ranks(family_parity, 4, families, 4, False, timeout=400), families)
