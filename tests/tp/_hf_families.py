@@ -56,7 +56,7 @@ def build(model_type: str, overrides: dict[str, Any]) -> nn.Module:
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
     with torch.no_grad():  # zero-initialised norm weights (Gemma's 1 + w) would hide their gradients' errors
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.ndim == 1:
                 param.add_(0.1 * torch.randn_like(param))
     return model
