@@ -1,0 +1,87 @@
+"""Run the sweep: one subprocess per family (a crash or hang never stops the sweep), then the report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hf_sweep.family import CASES
+from hf_sweep.report import markdown_table, summary
+
+HERE = Path(__file__).resolve().parent.parent
+
+
+def _run_family(model_type: str, timeout: float, case_timeout: float) -> list[dict[str, Any]]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "hf_sweep.family", model_type, "--timeout", str(case_timeout)]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True
+    )
+    try:
+        stdout, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, _ = proc.communicate()
+    records = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    done = {r["case"] for r in records}
+    for name, _, _ in CASES:
+        if name not in done:
+            why = (
+                f"process exited with {proc.returncode}"
+                if proc.returncode
+                else f"family timeout {timeout:g}s"
+            )
+            records.append({"family": model_type, "case": name, "status": "crash", "message": why})
+    return records
+
+
+def _line(r: dict[str, Any]) -> str:
+    if r["status"] in ("pass", "mismatch"):
+        detail = (
+            f"loss {r['loss_diff']:.1e} grad {r['grad_diff']:.1e} ({r['worst_grad']}) "
+            f"param {r['param_diff']:.1e}"
+        )
+    else:
+        detail = r.get("message", "")[:200]
+    return f"{r['family']:<24} {r['case']:<7} {r['status']:<8} {detail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="uv run tools/hf_sweep", description=__doc__)
+    parser.add_argument("--families", default="", help="comma-separated model types (default: all)")
+    parser.add_argument(
+        "--out", type=Path, default=HERE / "results", help="folder for results.jsonl/.json/.md"
+    )
+    parser.add_argument("--timeout", type=float, default=1500.0, help="seconds per family (all cases)")
+    parser.add_argument("--case-timeout", type=float, default=450.0, help="seconds per mesh configuration")
+    parser.add_argument("--report-only", action="store_true", help="rebuild the report from results.jsonl")
+    args = parser.parse_args(argv)
+    from hf_sweep.configs import sweep_families
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    jsonl = args.out / "results.jsonl"
+    if not args.report_only:
+        families = sweep_families([f for f in args.families.split(",") if f] or None)
+        print(f"# {len(families)} families, cases {[c[0] for c in CASES]}", flush=True)
+        for model_type in families:
+            start = time.monotonic()
+            records = _run_family(model_type, args.timeout, args.case_timeout)
+            with jsonl.open("a") as f:
+                for r in records:
+                    r["seconds"] = round(time.monotonic() - start, 1)
+                    f.write(json.dumps(r) + "\n")
+                    print(_line(r), flush=True)
+    records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    latest = {(r["family"], r["case"]): r for r in records}  # a rerun replaces a family's earlier lines
+    results = sorted(latest.values(), key=lambda r: (r["family"], r["case"]))
+    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (args.out / "results.md").write_text(markdown_table(results) + "\n\n" + summary(results) + "\n")
+    print(summary(results))
+    return 0

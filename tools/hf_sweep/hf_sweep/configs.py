@@ -1,0 +1,83 @@
+"""The families to sweep and their tiny configs (hidden 128, 2 layers, small vocab)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+VOCAB = 128
+
+COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "max_position_embeddings": 128,
+    "use_cache": False,
+    "tie_word_embeddings": False,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    # MoE sizes, read only by the configs that have them
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+}
+HEADS = {
+    2: {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32},
+    4: {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 16},
+}
+OVERRIDES: dict[str, dict[str, Any]] = {
+    # families whose configs need more than the common fields to build at this size
+    "deepseek_v2": {
+        "kv_lora_rank": 32,
+        "q_lora_rank": 64,
+        "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+    },
+    "deepseek_v3": {
+        "kv_lora_rank": 32,
+        "q_lora_rank": 64,
+        "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+    },
+}
+
+
+def sweep_families(only: list[str] | None = None) -> list[str]:
+    """Causal-LM model types of the installed transformers whose config declares a ``base_model_tp_plan``."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found = []
+    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        try:
+            config_cls = CONFIG_MAPPING[model_type]
+        except (KeyError, ImportError):
+            continue
+        if getattr(config_cls, "base_model_tp_plan", None):
+            found.append(model_type)
+    if only:
+        unknown = sorted(set(only) - set(found))
+        if unknown:
+            raise SystemExit(f"not causal-LM families with a TP plan: {unknown}")
+        found = list(dict.fromkeys(only))  # the caller's order
+    return found
+
+
+def tiny_config(model_type: str, tp: int) -> Any:
+    """The family's tiny config for ``tp`` (4 heads / 2 KV heads at tp 2, 8 / 4 at tp 4), eager attention."""
+    from transformers import AutoConfig
+
+    fields = {**COMMON, **HEADS[tp], **OVERRIDES.get(model_type, {})}
+    config = AutoConfig.for_model(model_type, **fields)
+    config._attn_implementation = "eager"
+    return config

@@ -1,0 +1,124 @@
+"""Rank side: one family at one mesh, parallelized by ``parallelize_model``, against the unsharded model."""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from hf_sweep.configs import VOCAB, tiny_config
+
+SEQ = 16
+ROWS = 2  # per data-parallel rank
+LR = 0.5
+TOLERANCE = 1e-5
+
+
+def _build(model_type: str, tp: int) -> nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, tp)).float()
+    with torch.no_grad():  # zero-initialised vectors (Gemma's 1 + w norms) would hide gradient errors
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=ids[:, :-1]).logits
+    sharded = isinstance(logits, DTensor)
+    with loss_parallel() if sharded else nullcontext():
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+        loss.backward()
+    return (loss.full_tensor() if sharded else loss).detach()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+def _relative(ref: nn.Module, par: nn.Module, grads: bool) -> tuple[float, str]:
+    """Largest per-parameter ``max|x - x_ref| / max|x_ref|`` (a collective: same order on every rank)."""
+    par_params = {name.replace("_checkpoint_wrapped_module.", ""): p for name, p in par.named_parameters()}
+    worst, worst_name = 0.0, ""
+    for name, r in sorted(ref.named_parameters()):
+        p = par_params[name]
+        a, b = (r.grad, p.grad) if grads else (r, p)
+        if a is None and b is None:
+            continue
+        if a is None or b is None:
+            return float("inf"), f"{name} (gradient missing on one side)"
+        got = _full(b)
+        scale = a.abs().max().item() or 1.0
+        diff = (got.float() - a.float()).abs().max().item() / scale
+        if diff != diff or diff > worst or not worst_name:  # NaN counts as the worst
+            worst, worst_name = diff, name
+    return worst, worst_name
+
+
+def _is_refusal(exc: BaseException) -> bool:
+    """A ValueError / TypeError raised by plait itself (not by torch or transformers)."""
+    if not isinstance(exc, ValueError | TypeError):
+        return False
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and "/plait/" in frames[-1].filename
+
+
+def run_case(model_type: str, tp: int, sp: bool) -> dict[str, Any]:
+    """Parallelize (dp_shard = world / tp) and compare; every rank returns the same kind of record."""
+    from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
+    from plait.sidecar import parallelize_model
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp, dp_rank = world // tp, rank // tp
+    try:
+        ref = _build(model_type, tp)
+    except Exception as exc:  # the tiny config does not build: needs an override, not a plait result
+        return {"status": "config", "message": f"{type(exc).__name__}: {exc}"[:400]}
+    try:
+        ctx = MeshContext.build(
+            FSDP2Config(mp_policy=None, sequence_parallel=sp), ParallelismSizes(tp_size=tp)
+        )
+        par = parallelize_model(copy.deepcopy(ref), ctx)
+    except Exception as exc:
+        status = "refused" if _is_refusal(exc) else "crash"
+        return {"status": status, "message": f"{type(exc).__name__}: {exc}"[:600]}
+    try:
+        return _compare(ref, par, dp, dp_rank, world)
+    except Exception as exc:
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        return {
+            "status": "crash",
+            "message": f"{type(exc).__name__}: {exc} [{where.filename}:{where.lineno}]"[:600],
+        }
+
+
+def _compare(ref: nn.Module, par: nn.Module, dp: int, dp_rank: int, world: int) -> dict[str, Any]:
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=LR) for m in (ref, par)]
+    out: dict[str, Any] = {}
+    for step in range(2):
+        ids = torch.randint(
+            3, VOCAB, (dp * ROWS, SEQ + 1), generator=torch.Generator().manual_seed(100 + step)
+        )
+        ref_loss, par_loss = _loss(ref, ids), _loss(par, ids[dp_rank * ROWS : (dp_rank + 1) * ROWS])
+        if step == 0:
+            dist.all_reduce(par_loss)
+            out["loss_diff"] = abs(ref_loss.item() - par_loss.item() / world)
+            out["grad_diff"], out["worst_grad"] = _relative(ref, par, grads=True)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    out["param_diff"], out["worst_param"] = _relative(ref, par, grads=False)
+    ok = max(out["loss_diff"], out["grad_diff"], out["param_diff"]) <= TOLERANCE
+    out["status"] = "pass" if ok else "mismatch"
+    return out
