@@ -104,7 +104,7 @@ def cp_parity(
     kind: str, sizes: dict[str, int], options: dict[str, Any], ac: str | bool = False
 ) -> dict[str, Any]:
     """One configuration on this rank: returns loss / gradient / parameter differences and what was used."""
-    from plait.sidecar import parallelize_model  # not a dependency of plait-cp: imported only here
+    from plait.sidecar import compile_parallelized_model, parallelize_model  # not plait-cp dependencies
 
     ctx = MeshContext.build(
         FSDP2Config(mp_policy=None, **options), ParallelismSizes(**sizes), activation_checkpointing=ac
@@ -112,6 +112,7 @@ def cp_parity(
     model = build_model(kind)
     ref = copy.deepcopy(model)
     par = parallelize_model(model, ctx)
+    compile_parallelized_model(par, ctx)  # a no-op unless options hold enable_compile=True
     dp = ctx.dp_mesh()
     dp_rank, dp_size = dp.get_local_rank(), dp.size()
     reduce = ctx.dp_cp_mesh().get_group()

@@ -53,3 +53,19 @@ def test_cp2_matches_cp1_over_five_steps(tmp_path: Path) -> None:
         for got in run_on_ranks(_train_losses, 2, str(tmp_path / variant), overrides, 5):
             assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5, (variant, ref, got)
     assert ref[4] < ref[0]  # it trained
+
+
+def test_plan_shows_the_cp_split_and_its_memory() -> None:
+    from plait.train.plan import plan
+    from plait.train.recipes import load_recipe
+
+    overrides = [*RECIPE, "parallel.cp_size=2", "parallel.options.cp_attention=ring"]
+    report = plan(load_recipe("hf_llama", overrides), 4)
+    assert "dp_shard=2 x cp=2 x tp=1" in report
+    assert (
+        "each sequence of 32 tokens in 4 chunks of 8; cp rank r holds chunks r and 3-r = 16 tokens per rank"
+        in report
+    )
+    # micro-batch 2 x 16 tokens x 2 KV heads x head_dim 8 x (K + V) x 4 bytes = 4 KiB per layer
+    assert "K/V kept for backward 4.0 KiB (local; re-sent in backward)" in report
+    assert "cp_attention:" in report

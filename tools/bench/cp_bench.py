@@ -139,12 +139,16 @@ def _parity_cases(cases: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
     return [cp_parity(*case) for case in cases]
 
 
-def _parity() -> bool:
+COMPILE = [(2, "dense", {"cp_size": 2}, {"enable_compile": True}, False)]
+"""Per-layer torch.compile (inductor on CPU: minutes per case), with ``--parity --compile``."""
+
+
+def _parity(matrix: list[tuple[Any, ...]]) -> bool:
     ok = True
-    for world in sorted({c[0] for c in PARITY}):
+    for world in sorted({c[0] for c in matrix}):
         cases = [
             (kind, sizes, {**options, "cp_attention": variant}, ac)
-            for w, kind, sizes, options, ac in PARITY
+            for w, kind, sizes, options, ac in matrix
             if w == world
             for variant in VARIANTS
         ]
@@ -160,13 +164,14 @@ def _parity() -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parity", action="store_true", help="run the parity matrix instead")
+    parser.add_argument("--compile", action="store_true", help="with --parity: only the compile cases")
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--cp", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
     if args.parity:
-        sys.exit(0 if _parity() else 1)
+        sys.exit(0 if _parity(COMPILE if args.compile else PARITY) else 1)
     _memory_and_bytes(args)
 
 
