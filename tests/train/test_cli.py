@@ -75,7 +75,9 @@ def test_default_recipe_trains_on_four_self_launched_ranks(tmp_path: Path):
     assert sorted(losses) == list(range(1, 9))
     assert losses[8] < losses[1] - 0.3, losses
     assert re.search(
-        r"step +8/8 \| loss [\d.]+ \| lr [\d.e+-]+ \| grad_norm [\d.]+ \| tok/s [\d,]+ \| mem", proc.stdout
+        r"step +8/8 \| loss [\d.]+ \| lr [\d.e+-]+ \| grad_norm [\d.]+ \| [\d,]+ ms \| tok/s [\d,]+ \| "
+        r"tok/s/dev [\d,]+ \| TFLOPs/dev [\d.]+ \| MFU n/a \| mem",
+        proc.stdout,
     )
     assert "val_loss" in proc.stdout
     assert (run_dir / "model.safetensors").is_file()

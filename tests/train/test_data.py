@@ -90,3 +90,73 @@ def test_a_small_corpus_still_holds_out_one_document(tmp_path: Path):
         (tmp_path / f"{i}.txt").write_text(f"text {i} " * 20)
     corpus = load_corpus(DataConfig(source="files", paths=[str(tmp_path / "*.txt")], seq_len=8))
     assert bytes(int(t) for t in corpus.val.tokens if t != EOS).decode() == "text 2 " * 20
+
+
+def _bpe_tokenizer(directory: Path, texts: list[str], vocab_size: int = 300) -> Path:
+    """A byte-level BPE trained locally on ``texts``, saved as ``directory/tokenizer.json``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(texts, trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    return directory / "tokenizer.json"
+
+
+def test_hf_tokenizer_packs_documents_with_eos_between_them_from_jsonl_json_and_parquet(tmp_path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from plait.train.tokenizer import load_tokenizer
+
+    texts = [f"record {i}: the quick brown fox {i * 7} jumps" for i in range(12)]
+    _bpe_tokenizer(tmp_path / "model", texts)
+    (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"body": t}) for t in texts[:4]))
+    (tmp_path / "b.json").write_text(json.dumps([{"body": t} for t in texts[4:8]]))
+    pq.write_table(pa.table({"body": texts[8:]}), tmp_path / "c.parquet")
+    tok = load_tokenizer(str(tmp_path / "model"))  # an HF model directory: EOS from tokenizer_config.json
+    assert tok.eos_id == 0 and tok.vocab_size <= 300
+    paths = [str(tmp_path / n) for n in ("a.jsonl", "b.json", "c.parquet")]
+    cfg = DataConfig(
+        source="files", paths=paths, text_key="body", tokenizer=str(tmp_path / "model"), seq_len=8
+    )
+    corpus = load_corpus(cfg, tok, cache_dir=tmp_path / "cache")
+    assert corpus.num_documents == 12
+    train_docs = [t for i, t in enumerate(texts) if i % 50 != 49 and i != 11]  # the last document is held out
+    expected = np.concatenate([np.append(tok.encode(t.encode()), tok.eos_id) for t in train_docs])
+    np.testing.assert_array_equal(np.asarray(corpus.train.tokens), expected)
+    assert isinstance(corpus.train.tokens, np.memmap)  # read back from the cache
+    again = load_corpus(cfg, tok, cache_dir=tmp_path / "cache")
+    np.testing.assert_array_equal(np.asarray(again.val.tokens), np.append(tok.encode(texts[11].encode()), 0))
+
+
+def test_unreadable_tokenizers_and_missing_columns_are_errors_naming_them(tmp_path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from plait.train.tokenizer import load_tokenizer
+
+    with pytest.raises(ValueError, match=r"neither a tokenizer.json file nor a directory holding one"):
+        load_tokenizer(str(tmp_path / "nothing"))
+    _bpe_tokenizer(tmp_path / "tok", ["some text here"] * 3)
+    with pytest.raises(ValueError, match=r"no end-of-document token named '<eos>'; set data.eos_token"):
+        load_tokenizer(str(tmp_path / "tok" / "tokenizer.json"), "<eos>")
+    pq.write_table(pa.table({"content": ["x" * 100]}), tmp_path / "d.parquet")
+    with pytest.raises(ValueError, match=r"no column 'text' \(data.text_key\)"):
+        load_corpus(DataConfig(source="files", paths=[str(tmp_path / "d.parquet")]))
+
+
+def test_a_position_saved_over_another_corpus_is_refused():
+    sampler = GlobalSampler(37, 2, 0, 1, seed=0, shuffle=True)
+    with pytest.raises(ValueError, match="over 40 training sequences but this corpus has 37"):
+        sampler.load_state_dict({"position": 8, "num_samples": 40})
+    sampler.load_state_dict({"position": 8})  # a position from before num_samples was saved
+    assert sampler.state_dict() == {"position": 8, "num_samples": 37}

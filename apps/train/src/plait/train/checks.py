@@ -6,6 +6,8 @@ with 2 on every rank before any collective (``validate``, ``plan`` and training 
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from plait.train.config import Recipe
@@ -17,8 +19,13 @@ __all__ = ["check_data", "check_devices", "check_vocabulary"]
 
 
 def check_data(recipe: Recipe) -> Tokenizer:
-    """Data paths match files and the tokenizer loads; return the tokenizer."""
+    """Data paths match files, the tokenizer loads, the metric sinks are installed; return the tokenizer."""
     check_paths(recipe.data)
+    if recipe.train.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError(
+            "train.tensorboard needs the `tensorboard` package: install plait-train[tensorboard] "
+            "or set train.tensorboard: false"
+        )
     return load_tokenizer(recipe.data.tokenizer, recipe.data.eos_token)
 
 

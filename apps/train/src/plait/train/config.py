@@ -190,6 +190,8 @@ class TrainConfig:
     """Micro-batches per validation."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """`auto`: CUDA when available for every local rank, else CPU (gloo)."""
+    tensorboard: bool = False
+    """Also write metrics as TensorBoard events under `<run dir>/tensorboard/` (extra `tensorboard`)."""
 
     def __post_init__(self) -> None:
         _positive("train", steps=self.steps, grad_accum=self.grad_accum, val_batches=self.val_batches)

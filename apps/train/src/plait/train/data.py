@@ -18,7 +18,9 @@ whatever the mesh; the position is the whole resumable state.
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
+import os
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +40,7 @@ __all__ = [
     "PackedDataset",
     "check_corpus_ids",
     "check_paths",
+    "corpus_fingerprint",
     "decode",
     "encode",
     "load_corpus",
@@ -182,12 +185,66 @@ class Corpus:
     num_bytes: int
 
 
-def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Corpus:
+def corpus_fingerprint(cfg: DataConfig, tokenizer: Tokenizer) -> str:
+    """A key of everything the packed tokens depend on: files (paths, sizes, mtimes), tokenizer, split."""
+    files = stdlib_files() if cfg.source == "stdlib" else check_paths(cfg)
+    h = hashlib.sha256(f"v1|{cfg.source}|{cfg.text_key}|{cfg.max_bytes}|{cfg.val_fraction}".encode())
+    h.update(f"|{tokenizer.name}|{tokenizer.vocab_size}|{tokenizer.eos_id}".encode())
+    tok_file = Path(tokenizer.name)
+    for f in [tok_file] if tok_file.is_file() else []:
+        h.update(f.read_bytes())
+    for f in files:
+        st = f.stat()
+        h.update(f"|{f.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def _read_cache(directory: Path, seq_len: int) -> Corpus | None:
+    meta = directory / "meta.json"
+    if not meta.is_file():
+        return None
+    info = json.loads(meta.read_text())
+    train, val = (np.load(directory / f"{split}.npy", mmap_mode="r") for split in ("train", "val"))
+    return Corpus(PackedDataset(train, seq_len), PackedDataset(val, seq_len), **info)
+
+
+def _write_cache(directory: Path, corpus: Corpus) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "val"):
+        tmp = directory / f".{split}.{os.getpid()}.npy"
+        np.save(tmp, getattr(corpus, split).tokens)
+        os.replace(tmp, directory / f"{split}.npy")
+    info = {"num_documents": corpus.num_documents, "num_bytes": corpus.num_bytes}
+    tmp = directory / f".meta.{os.getpid()}.json"
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, directory / "meta.json")  # last: a directory without meta.json is incomplete
+
+
+def load_corpus(
+    cfg: DataConfig, tokenizer: Tokenizer | None = None, cache_dir: str | Path | None = None
+) -> Corpus:
     """Read, tokenize (default: bytes), split (every k-th document to validation) and pack.
+
+    With ``cache_dir`` the packed tokens are kept in ``<cache_dir>/<fingerprint>/`` as ``.npy`` files
+    and read back memory-mapped, so a rank touches only the windows it reads and a restarted or
+    resumed run does not tokenize again.
 
     Raises:
         ValueError: a split holds less than one sequence.
     """
+    tokenizer = tokenizer or ByteTokenizer()
+    cache = Path(cache_dir) / corpus_fingerprint(cfg, tokenizer) if cache_dir is not None else None
+    cached = _read_cache(cache, cfg.seq_len) if cache is not None else None
+    if cached is not None:
+        return cached
+    corpus = _build_corpus(cfg, tokenizer)
+    if cache is not None:
+        _write_cache(cache, corpus)
+        return _read_cache(cache, cfg.seq_len) or corpus
+    return corpus
+
+
+def _build_corpus(cfg: DataConfig, tokenizer: Tokenizer) -> Corpus:
     docs = read_documents(cfg)
     every = max(2, round(1 / cfg.val_fraction))
     held_out = {i for i in range(len(docs)) if i % every == every - 1} or {len(docs) - 1}
@@ -240,9 +297,22 @@ class GlobalSampler:
         return indices
 
     def state_dict(self) -> dict[str, int]:
-        return {"position": self.position}
+        """``position``: samples consumed in the global order (all dp ranks together), the whole
+        resumable state; it does not depend on the mesh, so a job may resume on another dp size."""
+        return {"position": self.position, "num_samples": self.num_samples}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from a :meth:`state_dict`.
+
+        Raises:
+            ValueError: the state was saved over a corpus with a different number of samples.
+        """
+        saved = state.get("num_samples", self.num_samples)
+        if saved != self.num_samples:
+            raise ValueError(
+                f"the checkpoint's data position is over {saved} training sequences but this corpus has "
+                f"{self.num_samples}; resume with the same data, tokenizer and data.seq_len"
+            )
         self.position = int(state["position"])
 
 
@@ -264,3 +334,31 @@ def check_corpus_ids(corpus: Corpus, vocab: int) -> None:
                 f"the {split} data holds token id {int(tokens.max())} but the model's vocab_size is {vocab}; "
                 f"raise the model's vocab_size to at least {int(tokens.max()) + 1}"
             )
+
+
+def prepare_corpus(
+    cfg: DataConfig, tokenizer: Tokenizer, cache_dir: str | Path, *, local_rank: int, device: torch.device
+) -> Corpus:
+    """:func:`load_corpus` in a job: local rank 0 of each node tokenizes into the cache, then every
+    rank memory-maps it.
+
+    A success flag is all-reduced (every rank reaches it, so a failed tokenization cannot leave the
+    others waiting); a failure raises ``ValueError`` on every rank, with the cause on the ranks that
+    tokenized.
+    """
+    import torch.distributed as dist
+
+    error: ValueError | None = None
+    if local_rank == 0:
+        try:
+            load_corpus(cfg, tokenizer, cache_dir)
+        except ValueError as err:
+            error = err
+    ok = torch.tensor([0.0 if error else 1.0], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if error is not None:
+        raise error
+    if float(ok) < 1.0:
+        raise ValueError("tokenizing the corpus failed on another rank (its error line names the cause)")
+    return load_corpus(cfg, tokenizer, cache_dir)

@@ -1,11 +1,4 @@
-"""AdamW, the warmup + cosine schedule, and global gradient-norm clipping that is correct for DTensors.
-
-After FSDP2 + TP the gradients are DTensors on *different* meshes and placements (a TP-sharded
-projection on ``(dp_shard, tp)``, a norm on ``dp_shard`` only, plain tensors for an unsharded
-model). ``torch.nn.utils.clip_grad_norm_`` cannot combine those; here the squared local sums are
-summed over exactly the mesh dims each gradient is sharded on, and the groups' squares are added:
-the result equals the norm of the unsharded gradients.
-"""
+"""AdamW, the warmup + cosine schedule, and the trainer's call of plait.mesh's global-norm clipping."""
 
 from __future__ import annotations
 
@@ -13,11 +6,10 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.lr_scheduler import LambdaLR
 
+from plait.mesh import clip_grad_norm_, global_grad_norm
 from plait.train.config import OptimConfig
 
 __all__ = ["build_optimizer", "build_scheduler", "clip_grad_norm", "global_grad_norm", "lr_factor"]
@@ -58,49 +50,6 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_st
     return LambdaLR(optimizer, factor)
 
 
-def _shard_dims(grad: torch.Tensor) -> tuple[object, tuple[int, ...]]:
-    """The mesh and the mesh dims a gradient is split over (its shards must be summed over them)."""
-    if not isinstance(grad, DTensor):
-        return None, ()
-    # Any placement that is neither replicated nor partial splits the tensor (Shard, _StridedShard, ...).
-    dims = tuple(i for i, p in enumerate(grad.placements) if not (p.is_replicate() or p.is_partial()))
-    return grad.device_mesh, dims
-
-
-def global_grad_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of all gradients as if unsharded (a plain fp32 scalar tensor, same on every rank).
-
-    Local squared sums are grouped by ``(mesh, split dims)`` and each group is all-reduced over
-    exactly the mesh dims its gradients are sharded on (never over replicas).
-    """
-    groups: dict[tuple[object, tuple[int, ...]], torch.Tensor] = {}
-    for p in parameters:
-        if p.grad is None:
-            continue
-        grad = p.grad
-        if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
-            grad = grad.redistribute(
-                placements=[Replicate() if pl.is_partial() else pl for pl in grad.placements]
-            )
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
-        key = _shard_dims(grad)
-        square = local.detach().float().pow(2).sum()
-        groups[key] = groups[key] + square if key in groups else square
-    total_sq = torch.zeros((), dtype=torch.float32)
-    for (mesh, dims), square in groups.items():
-        for dim in dims:
-            dist.all_reduce(square, group=mesh.get_group(dim))
-        total_sq = total_sq + square.cpu()
-    return total_sq.sqrt()
-
-
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float | None) -> torch.Tensor:
-    """Scale gradients so their global norm is at most ``max_norm``; return the norm before clipping."""
-    params = [p for p in parameters if p.grad is not None]
-    total = global_grad_norm(params)
-    if max_norm is not None:
-        coef = min(1.0, max_norm / (float(total) + 1e-6))
-        if coef < 1.0:
-            for p in params:
-                p.grad.mul_(coef)
-    return total
+    """:func:`plait.mesh.clip_grad_norm_` (``optim.grad_clip``; None only measures the norm)."""
+    return clip_grad_norm_(parameters, max_norm)

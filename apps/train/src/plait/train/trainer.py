@@ -47,13 +47,13 @@ from plait.train.data import (
     GlobalSampler,
     PackedDataset,
     check_corpus_ids,
-    load_corpus,
+    prepare_corpus,
     synthetic_images,
 )
 from plait.train.errors import Stopped
 from plait.train.launch import ATTEMPT_ENV
 from plait.train.lifecycle import RankLifecycle
-from plait.train.metrics import MetricsLogger, memory_mib
+from plait.train.metrics import MetricsLogger, flops_per_token, memory_mib, peak_tflops, throughput
 from plait.train.models import hf_logits
 from plait.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from plait.train.setup import build_mesh_context, build_parallel_model, check_recipe
@@ -107,7 +107,13 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, recipe.optim, recipe.train.steps)
         self._init_data_parallel()
         self.tokenizer = load_tokenizer(recipe.data.tokenizer, recipe.data.eos_token)
-        self.corpus: Corpus = load_corpus(recipe.data, self.tokenizer)
+        self.corpus: Corpus = prepare_corpus(
+            recipe.data,
+            self.tokenizer,
+            self.run_dir / "token_cache",
+            local_rank=info.local_rank,
+            device=self.device,
+        )
         check_corpus_ids(self.corpus, check_vocabulary(recipe, self.tokenizer))
         self.sampler = GlobalSampler(
             len(self.corpus.train),
@@ -122,7 +128,10 @@ class Trainer:
             total_steps=recipe.train.steps,
             enabled=info.rank == 0,
             log_every=recipe.train.log_every,
+            tensorboard_dir=self.run_dir / "tensorboard" if recipe.train.tensorboard else None,
+            run_info={"name": recipe.name, "world_size": info.world_size, "device": str(self.device)},
         )
+        self.flops_per_token = flops_per_token(getattr(self.model, "module", self.model), recipe.data.seq_len)
         self.step = 0
 
     def _init_data_parallel(self) -> None:
@@ -190,12 +199,18 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        elapsed = time.perf_counter() - start
+        speed = throughput(
+            global_tokens,
+            time.perf_counter() - start,
+            self.info.world_size,
+            self.flops_per_token,
+            peak_tflops(self.device),
+        )
         return {
             "loss": loss,
             "lr": lr,
             "grad_norm": float(grad_norm),
-            "tokens_per_s": global_tokens / elapsed,
+            **speed,
             "mem_mib": memory_mib(self.device),
         }
 

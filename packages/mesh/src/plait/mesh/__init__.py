@@ -19,6 +19,8 @@ from plait.mesh.consistency import (
 )
 from plait.mesh.context import MeshContext
 from plait.mesh.distributed import DistributedInfo, init_distributed
+from plait.mesh.grad_norm import clip_grad_norm_, global_grad_norm
+from plait.mesh.materialize import FullTensorSource, clean_fqn, init_value, materialize, param_seed
 from plait.mesh.normalize import (
     ActivationCheckpointing,
     FrozenMultimodalSharding,
@@ -37,6 +39,7 @@ __all__ = [
     "DistributedInfo",
     "FSDP2Config",
     "FrozenMultimodalSharding",
+    "FullTensorSource",
     "MegatronFSDPConfig",
     "MeshAxisName",
     "MeshContext",
@@ -46,17 +49,23 @@ __all__ = [
     "build_device_mesh",
     "check_ranks_agree",
     "build_moe_mesh",
+    "clean_fqn",
+    "clip_grad_norm_",
     "default_device_type",
     "default_mp_policy",
     "describe_arguments",
     "describe_config",
     "describe_mesh_context",
     "describe_module",
+    "global_grad_norm",
     "init_distributed",
+    "init_value",
+    "materialize",
     "normalize_ac_scope",
     "normalize_activation_checkpointing",
     "normalize_frozen_multimodal_sharding",
     "normalize_strategy_name",
+    "param_seed",
     "plan_meshes",
     "strategy_config_from_dict",
     "strategy_name",
