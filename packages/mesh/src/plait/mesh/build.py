@@ -124,7 +124,7 @@ def plan_meshes(
 
     Raises:
         TypeError: an unknown strategy config type, or malformed ``ranks``.
-        ValueError: any size / strategy / ranks mismatch (see BEHAVIOR.md §1).
+        ValueError: any size / strategy / ranks mismatch (see docs/behavior.md "Meshes").
     """
     strategy = strategy_name(strategy_config)
     sizes = sizes if sizes is not None else ParallelismSizes()
