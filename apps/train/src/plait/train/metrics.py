@@ -116,7 +116,8 @@ def _previous_attempts(path: Path) -> int:
 
 def _line(step: int, total: int, v: dict[str, Any]) -> str:
     mfu = f"{v['mfu']:.1%}" if v.get("mfu") is not None else "n/a"
-    tflops = f"{v['tflops_per_device']:.2f}" if v.get("tflops_per_device") is not None else "n/a"
+    tflops = v.get("tflops_per_device")
+    tflops = "n/a" if tflops is None else f"{tflops:.2f}" if tflops >= 0.01 else "<0.01"
     parts = [
         f"step {step:>6}/{total}",
         f"loss {v['loss']:.4f}",
