@@ -205,7 +205,7 @@ class CheckpointConfig:
     """Sharded checkpoints and the final export."""
 
     every: int = 100
-    """Save every N steps (0 = never; the final step is not saved unless it is a multiple)."""
+    """Save every N steps; the final step is always saved (0 = only the final step)."""
     keep: int = 2
     """Keep the last K complete checkpoints."""
     resume: bool = True
@@ -213,7 +213,9 @@ class CheckpointConfig:
     resume_from: str | None = None
     """Resume from this checkpoint directory instead (e.g. `runs/x/checkpoints/step_00000003`)."""
     export: bool = True
-    """Write a consolidated `model.safetensors` at the end."""
+    """Write the weights in the Hugging Face layout to `<run>/export/` at the end (each rank its shards)."""
+    async_save: bool = False
+    """Write the shards in the background (`torch.distributed.checkpoint.async_save`); finished at the next save."""
 
     def __post_init__(self) -> None:
         _positive("checkpoint", keep=self.keep)

@@ -33,13 +33,7 @@ from plait.mesh import (
     describe_config,
     init_distributed,
 )
-from plait.train.checkpoint import (
-    export_safetensors,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-    step_dir_name,
-)
+from plait.train.checkpoint import Checkpointer, step_dir_name
 from plait.train.checks import check_vocabulary
 from plait.train.config import Recipe, to_dict
 from plait.train.data import (
@@ -51,11 +45,14 @@ from plait.train.data import (
     synthetic_images,
 )
 from plait.train.errors import Stopped
+from plait.train.export import export_model
+from plait.train.integrity import check_finite
 from plait.train.launch import ATTEMPT_ENV
 from plait.train.lifecycle import RankLifecycle
 from plait.train.metrics import MetricsLogger, flops_per_token, memory_mib, peak_tflops, throughput
 from plait.train.models import hf_logits
 from plait.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from plait.train.runlock import lock_run_dir
 from plait.train.setup import build_mesh_context, build_parallel_model, check_recipe
 from plait.train.summary import compile_text, describe_mesh, layout_of, model_class_name
 from plait.train.tokenizer import load_tokenizer
@@ -99,6 +96,7 @@ class Trainer:
         self.device = info.device
         self.run_dir = Path(recipe.run_dir)
         self.ckpt_root = self.run_dir / "checkpoints"
+        self.run_lock = lock_run_dir(self.run_dir)  # first: a second job on this directory stops here
         torch.manual_seed(recipe.train.seed)
         self.ctx: MeshContext = build_mesh_context(recipe, config)
         self.model = build_parallel_model(recipe, self.ctx, self.device)
@@ -133,6 +131,8 @@ class Trainer:
         )
         self.flops_per_token = flops_per_token(getattr(self.model, "module", self.model), recipe.data.seq_len)
         self.step = 0
+        self.checkpointer = Checkpointer(recipe, self.ckpt_root)
+        self._saved_step = -1
 
     def _init_data_parallel(self) -> None:
         if self.ctx.device_mesh is None:
@@ -195,6 +195,7 @@ class Trainer:
             loss_sum += _scalar(token_loss.detach())
         loss = float(self._all_reduce(loss_sum)) / max(global_tokens, 1.0)
         grad_norm = clip_grad_norm(self.params, self.recipe.optim.grad_clip)
+        check_finite(self.step, loss, float(grad_norm))  # before the step: no NaN weights, no NaN checkpoint
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -232,32 +233,23 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------------------------
 
-    def _resume_path(self) -> Path | None:
-        ckpt = self.recipe.checkpoint
-        found = Path(ckpt.resume_from) if ckpt.resume_from else None
-        if found is None and ckpt.resume and self.info.rank == 0:
-            found = latest_checkpoint(self.ckpt_root)
-        choice = [str(found) if found else None]
-        dist.broadcast_object_list(choice, src=0)
-        return Path(choice[0]) if choice[0] else None
-
     def resume(self) -> None:
         """Restore model, optimizer, scheduler, data position and RNG from the chosen checkpoint."""
-        path = self._resume_path()
-        if path is None:
+        found = self.checkpointer.find()
+        if found is None:
             return
-        meta = load_checkpoint(path, self.model, self.optimizer)
-        self.scheduler.load_state_dict(meta["scheduler"])
-        self.sampler.load_state_dict(meta["data"])
-        self.step = int(meta["step"])
+        path, manifest = found
+        state = self.checkpointer.load(path, manifest, self.model, self.optimizer)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["data"])
+        self.step = self._saved_step = int(manifest["step"])
         self.logger.event("resume", step=self.step, path=str(path))
 
     def save(self) -> None:
         """Save a checkpoint of the current step (all ranks)."""
-        extra = {"data": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict()}
-        path = save_checkpoint(
-            self.ckpt_root, self.step, self.model, self.optimizer, extra, keep=self.recipe.checkpoint.keep
-        )
+        state = {"data": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict()}
+        path = self.checkpointer.save(self.step, self.model, self.optimizer, state)
+        self._saved_step = self.step
         self.logger.event("checkpoint", step=self.step, path=str(path))
 
     # -- the job ------------------------------------------------------------------------------
@@ -315,11 +307,15 @@ class Trainer:
                 self.save()
             if stop is not None and stop(self.step):
                 self._stop()
+        if self._saved_step != self.step:
+            self.save()
+        self.checkpointer.wait()
         if ckpt.export:
-            path = export_safetensors(self.model, self.run_dir / "model.safetensors")
-            if path is not None:
-                self.logger.event("export", path=str(path))
+            path = export_model(self.model, self.run_dir / "export", self.recipe.model)
+            self.logger.event("export", path=str(path))
         self.logger.close()
+        if self.run_lock is not None:
+            self.run_lock.release()
 
     def _stop(self) -> None:
         ckpt = self.recipe.checkpoint
@@ -328,6 +324,7 @@ class Trainer:
         else:
             if self.step % ckpt.every:
                 self.save()
+            self.checkpointer.wait()
             saved = f"checkpoint {self.ckpt_root / step_dir_name(self.step)} saved; run again to resume"
         self.logger.close()
         raise Stopped(f"stopped by SIGTERM at step {self.step} of {self.recipe.train.steps}; {saved}")

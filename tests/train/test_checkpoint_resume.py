@@ -1,0 +1,56 @@
+"""Resume anywhere: a checkpoint of dp_shard=2 x tp=2 continues at dp_shard=4, on 2 ranks and on 1.
+
+The global batch stays 4 sequences (micro-batch x dp x accumulation), so an uninterrupted run at
+the new mesh is the reference: its losses after the resume step and the samples of every step
+must be those of the resumed run.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from plait.testing import run_on_ranks
+from tests.train._ckpt_jobs import losses, train
+
+SAVED_AT = ["parallel.tp_size=2", "data.micro_batch_size=2", "train.steps=6", "checkpoint.every=3"]
+NEW_MESHES = {
+    "dp_shard=4": (
+        4,
+        ["parallel.tp_size=1", "data.micro_batch_size=1", "train.steps=6", "checkpoint.every=3"],
+    ),
+    "world 2": (2, ["parallel.tp_size=1", "data.micro_batch_size=2", "train.steps=6", "checkpoint.every=3"]),
+    "world 1": (1, ["parallel.tp_size=1", "data.micro_batch_size=2", "train.grad_accum=2", "train.steps=6"]),
+}
+
+
+def _one(results: list[dict]) -> dict:
+    assert all(r["error"] is None for r in results), [r["error"] for r in results]
+    return results[0]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    run_dir = tmp_path_factory.mktemp("saved") / "run"
+    result = _one(run_on_ranks(train, 4, str(run_dir), SAVED_AT))
+    return run_dir, result
+
+
+@pytest.mark.parametrize("mesh", list(NEW_MESHES))
+def test_resume_at_another_mesh_matches_an_uninterrupted_run_there(saved, mesh: str, tmp_path: Path):
+    old_dir, old = saved
+    world, overrides = NEW_MESHES[mesh]
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(old_dir / "checkpoints" / "step_00000003", resumed_dir / "checkpoints" / "step_00000003")
+    resumed = _one(run_on_ranks(train, world, str(resumed_dir), overrides))
+    reference = _one(run_on_ranks(train, world, str(tmp_path / "reference"), overrides))
+
+    assert sorted(resumed["samples"]) == [4, 5, 6]
+    consumed = {**{s: old["samples"][s] for s in (1, 2, 3)}, **resumed["samples"]}
+    assert consumed == reference["samples"]  # the same samples at every step: none twice, none skipped
+    got, want = losses(resumed_dir), losses(tmp_path / "reference")
+    assert sorted(got) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert got[step] == pytest.approx(want[step], abs=1e-5), (step, got, want)
