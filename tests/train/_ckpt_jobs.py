@@ -29,25 +29,68 @@ def losses(run_dir: str | Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if r.get("kind") == "train"}
 
 
-def train(run_dir: str, overrides: list[str], fail_at: int | None = None) -> dict[str, Any]:
-    """Run one trainer job on this rank; return its losses (rank 0) and the samples of each step.
+def train(run_dir: str, overrides: list[str], nan_at: int = 0, kill_in_save: int = 0) -> dict[str, Any]:
+    """Run one trainer job on this rank; return the samples of each step, its error and stderr.
+
+    Args:
+        nan_at: from this step on, the logits are NaN (a diverged run).
+        kill_in_save: rank 0 kills itself with SIGKILL when the save of this step has written all
+            shards and is about to write the manifest.
 
     Returns:
-        ``{"samples": {step: sorted global sample indices}, "error": str | None}``; the error is
-        the one-line message of a :class:`SetupError`-like failure.
+        ``{"samples": {step: sorted global sample indices}, "error": str | None, "stderr": str}``;
+        the error is the one-line message of a checkpoint, lock or non-finite failure.
     """
+    import contextlib
+    import io
+    import os
+    import signal
+
     import torch.distributed as dist
 
-    from plait.mesh import init_distributed
+    import plait.train.checkpoint as checkpoint_module
     from plait.train.checkpoint import CheckpointError
     from plait.train.integrity import NonFiniteError
     from plait.train.recipes import load_recipe
-    from plait.train.setup import check_recipe
-    from plait.train.trainer import Trainer
 
     recipe = load_recipe(None, [*SMALL, f"out_dir={run_dir}", *overrides])
     seen: list[tuple[int, int, int, tuple[int, ...]]] = []
     error = None
+    stderr = io.StringIO()
+    write_manifest = checkpoint_module.write_manifest
+
+    def killing_write_manifest(directory: Path, step: int, *args: Any) -> None:
+        if step == kill_in_save:
+            os.kill(os.getpid(), signal.SIGKILL)
+        write_manifest(directory, step, *args)
+
+    checkpoint_module.write_manifest = killing_write_manifest
+    try:
+        with contextlib.redirect_stderr(stderr):
+            _fit(recipe, seen, nan_at)
+    except (CheckpointError, NonFiniteError, ValueError) as err:
+        error = str(err)
+    finally:
+        checkpoint_module.write_manifest = write_manifest
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, seen)
+    samples: dict[int, list[int]] = {}
+    for step, _, _, indices in {item for part in everyone for item in part}:
+        samples.setdefault(step, []).extend(indices)
+    return {
+        "samples": {s: sorted(v) for s, v in samples.items()},
+        "error": error,
+        "stderr": stderr.getvalue(),
+    }
+
+
+def _fit(recipe: Any, seen: list[Any], nan_at: int) -> None:
+    import torch.distributed as dist
+
+    from plait.mesh import init_distributed
+    from plait.train.setup import check_recipe
+    from plait.train.trainer import Trainer
+
     trainer = None
     try:
         trainer = Trainer(recipe, check_recipe(recipe, dist.get_world_size()), init_distributed())
@@ -60,15 +103,11 @@ def train(run_dir: str, overrides: list[str], fail_at: int | None = None) -> dic
             return indices
 
         sampler.next_indices = recording
+        logits = trainer._logits
+        trainer._logits = lambda batch: (
+            logits(batch) * (float("nan") if nan_at and trainer.step >= nan_at else 1.0)
+        )
         trainer.fit()
-    except (CheckpointError, NonFiniteError, ValueError) as err:
-        error = str(err)
     finally:
         if trainer is not None and trainer.run_lock is not None:
             trainer.run_lock.release()
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, seen)
-    samples: dict[int, list[int]] = {}
-    for step, _, _, indices in {item for part in everyone for item in part}:
-        samples.setdefault(step, []).extend(indices)
-    return {"samples": {s: sorted(v) for s, v in samples.items()}, "error": error}

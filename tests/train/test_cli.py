@@ -80,8 +80,8 @@ def test_default_recipe_trains_on_four_self_launched_ranks(tmp_path: Path):
         proc.stdout,
     )
     assert "val_loss" in proc.stdout
-    assert (run_dir / "model.safetensors").is_file()
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000006"]  # keep the last 1
+    assert (run_dir / "export" / "model.safetensors.index.json").is_file()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000008"]  # the final step
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,10 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _same_weights(a: Path, b: Path) -> None:
-    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    wa, wb = (
+        load_file(a / "export" / "model-00001-of-00001.safetensors"),
+        load_file(b / "export" / "model-00001-of-00001.safetensors"),
+    )
     assert wa.keys() == wb.keys()
     for key in wa:
         assert torch.equal(wa[key], wb[key]), key
@@ -105,9 +108,9 @@ def test_resume_reproduces_the_uninterrupted_run_and_skips_half_written_checkpoi
     run_dir = tmp_path / "resumed"
     ckpts = run_dir / "checkpoints"
     shutil.copytree(baseline / "checkpoints" / "step_00000003", ckpts / "step_00000003")
-    half = ckpts / "step_00000005"  # shards written, meta.json never written
+    half = ckpts / "step_00000005"  # shards written, manifest.json never written
     shutil.copytree(baseline / "checkpoints" / "step_00000006", half)
-    (half / "meta.json").unlink()
+    (half / "manifest.json").unlink()
     (ckpts / ".tmp-step_00000006").mkdir()
     proc = _torchrun(2, [*RESUMABLE, f"out_dir={run_dir}"])
     _ok(proc)

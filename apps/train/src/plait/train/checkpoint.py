@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -62,6 +63,8 @@ __all__ = [
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 _OWNER_RE = re.compile(r"(?:^__|rank_)(\d+)")
 _TMP_PREFIX = ".tmp-"
+_FULL_BYTES = 1 << 20
+"""Free space below which a failed save is reported as a full disk."""
 
 
 class CheckpointError(UserError):
@@ -116,11 +119,27 @@ def _reason(err: BaseException) -> str:
     if isinstance(failures, dict) and failures:
         first = failures[min(failures)]
         err = first[0] if isinstance(first, tuple) else first
+    cause: BaseException | None = err
+    while cause is not None and not isinstance(cause, OSError):  # e.g. ENOSPC under a zip-writer error
+        cause = cause.__cause__ or cause.__context__
+    err = cause or err
     if isinstance(err, OSError) and err.strerror:
         text = f"{err.strerror} ({err.filename})" if err.filename else err.strerror
     else:
         text = f"{type(err).__name__}: {err}"
     return " ".join(text.split())[:300]
+
+
+def _write_error(err: BaseException, directory: Path) -> str:
+    """:func:`_reason` of a failed write, said as a full disk when the disk is (torch's zip writer hides ENOSPC)."""
+    reason = _reason(err)
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return reason
+    if free < _FULL_BYTES and "No space left" not in reason:
+        reason = f"No space left on device ({free} bytes free; the writer said: {reason})"
+    return reason
 
 
 def _owner(name: str, world: int) -> int:
@@ -254,8 +273,8 @@ class Checkpointer:
                 self._pending = _Pending(step, tmp, meta, future)
                 return final
             dcp.save(states, checkpoint_id=str(tmp))
-        except Exception as err:
-            error = _reason(err)
+        except (Exception, CheckpointException) as err:
+            error = _write_error(err, self.root)
         self._fail_if_any(step, tmp, _gather(error))
         return self._finish(step, tmp, meta)
 
@@ -267,8 +286,8 @@ class Checkpointer:
         error = None
         try:
             pending.future.result()
-        except Exception as err:
-            error = _reason(err)
+        except (Exception, CheckpointException) as err:
+            error = _write_error(err, self.root)
         self._fail_if_any(pending.step, pending.tmp, _gather(error))
         return self._finish(pending.step, pending.tmp, pending.meta)
 
