@@ -10,7 +10,7 @@ about ``max_file_bytes``), ``model.safetensors.index.json`` (tensor name -> file
 How: ``torch.distributed.checkpoint`` saves the sharded state dict through its
 ``HuggingFaceStorageWriter`` — every rank writes only the shards it holds into ``sharded/`` —
 then every rank assembles the output files assigned to it, one full tensor in memory at a time
-(``consolidate_safetensors_files_on_every_rank``), and the ``sharded/`` files are removed. The
+(:func:`plait.train.hf_files.assemble`), and the ``sharded/`` files are removed. The
 directory appears under its final name only when complete. The export directory must be on a
 filesystem all ranks share.
 """
@@ -29,19 +29,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
-from torch.distributed.checkpoint._consolidate_hf_safetensors import (
-    consolidate_safetensors_files_on_every_rank,
-)
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from plait.train.config import ModelConfig, to_dict
+from plait.train.hf_files import INDEX_FILE, assemble, write_index
 from plait.train.integrity import fsync_dir
 
 __all__ = ["INDEX_FILE", "PLAIT_CONFIG_FILE", "export_model", "file_index"]
 
-INDEX_FILE = "model.safetensors.index.json"
 PLAIT_CONFIG_FILE = "plait_model.json"
 _DEFAULT_FILE_BYTES = 2 * 2**30
+_DEFAULT_WRITE_BYTES = 256 * 2**20
 
 
 def _rank() -> int:
@@ -85,6 +83,7 @@ def export_model(
     model_cfg: ModelConfig | None = None,
     *,
     max_file_bytes: int = _DEFAULT_FILE_BYTES,
+    write_chunk_bytes: int = _DEFAULT_WRITE_BYTES,
 ) -> Path:
     """Write ``model``'s weights to ``directory`` in the Hugging Face layout (all ranks call this).
 
@@ -94,6 +93,8 @@ def export_model(
         model_cfg: the recipe's model section (``plait_model.json`` for reference models); None =
             ``config.json`` only, when the model has a ``transformers`` config.
         max_file_bytes: the size at which a new ``model-*.safetensors`` file starts.
+        write_chunk_bytes: the shard files of the first stage group about this many (global)
+            bytes; a rank serializes one such file at a time, so this bounds its extra memory.
     """
     final = Path(directory)
     tmp = final.with_name(f".tmp-{final.name}")
@@ -104,13 +105,17 @@ def export_model(
         shutil.rmtree(tmp, ignore_errors=True)
         sharded.mkdir(parents=True)
     _barrier()
-    writer = HuggingFaceStorageWriter(str(sharded), fqn_to_index_mapping=mapping, save_distributed=True)
+    chunks = file_index(state, write_chunk_bytes)
+    writer = HuggingFaceStorageWriter(str(sharded), fqn_to_index_mapping=chunks, save_distributed=True)
     dcp.save(state, storage_writer=writer)
+    specs = {k: (list(v.shape), v.dtype) for k, v in state.items()}
     del state
-    consolidate_safetensors_files_on_every_rank(str(sharded), str(tmp), mapping)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    assemble(sharded, tmp, specs, mapping, _rank(), world)
     _barrier()
     if _rank() == 0:
         shutil.rmtree(sharded)
+        write_index(tmp, specs, mapping)
         _write_config(model, tmp, model_cfg)
         for name in os.listdir(tmp):
             with open(tmp / name, "rb") as f:

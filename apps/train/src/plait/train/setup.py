@@ -23,8 +23,9 @@ from plait.sidecar import compile_parallelized_model, parallelize_model
 from plait.train.checks import check_data, check_devices, check_vocabulary
 from plait.train.config import Recipe
 from plait.train.errors import phase
-from plait.train.init import SafetensorsSource, clean_fqn, materialize
+from plait.train.init import clean_fqn, materialize
 from plait.train.models import build_model
+from plait.train.pretrained import load_pretrained
 
 __all__ = [
     "build_mesh_context",
@@ -131,16 +132,17 @@ def build_parallel_model(
     """
     cfg = recipe.model
     meta = (cfg.meta_init or not materialise) and recipe.parallel.strategy != "ddp"
-    with phase(f"model.pretrained_path {cfg.pretrained_path!r}"):
-        source = SafetensorsSource(cfg.pretrained_path) if cfg.pretrained_path else None
     seed = recipe.train.seed
     model = build_model(cfg, "meta" if meta else "cpu")
     if not meta:
-        materialize(model, seed=seed, device="cpu", source=source)
+        materialize(model, seed=seed, device="cpu")
         model.to(device)
     model = parallelize_model(model, ctx)
     if meta and materialise:
-        materialize(model, seed=seed, device=device, source=source)
+        materialize(model, seed=seed, device=device)
+    if cfg.pretrained_path and materialise:
+        with phase(f"model.pretrained_path {cfg.pretrained_path!r}"):
+            load_pretrained(model, cfg.pretrained_path)  # each rank reads only its slices
     if recipe.parallel.compile:
         compile_parallelized_model(model, ctx)  # compiles the layers in place, returns None
     return model
