@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from plait.train.checkpoint import complete_checkpoints, latest_checkpoint, step_dir_name, verify_checkpoint
-from plait.train.integrity import MANIFEST_FILE, check_finite, file_digest, write_manifest
+from plait.train.integrity import MANIFEST_FILE, NonFiniteError, check_finite, file_digest, write_manifest
 
 
 def _complete(root: Path, step: int) -> Path:
@@ -56,9 +58,5 @@ def test_verify_names_the_first_changed_file(tmp_path: Path):
 def test_check_finite_names_the_step():
     check_finite(3, 1.5, 0.2)
     for loss, norm in ((float("nan"), 1.0), (1.0, float("inf"))):
-        try:
+        with pytest.raises(NonFiniteError, match=f"^step 7: loss {loss} / grad_norm {norm} is not finite"):
             check_finite(7, loss, norm)
-        except RuntimeError as err:
-            assert str(err).startswith(f"step 7: loss {loss} / grad_norm {norm} is not finite")
-        else:
-            raise AssertionError("a non-finite value passed")

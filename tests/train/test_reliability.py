@@ -79,10 +79,11 @@ def test_set_up_errors_name_the_file_and_line(
     solo: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "run"
-    garbage = tmp_path / "weights.safetensors"
-    garbage.write_bytes(b"\x07" * 64)
-    line = _fail_in_rank([f"out_dir={out}", f"model.pretrained_path={garbage}"], capsys)
-    assert f"model.pretrained_path '{garbage}': not a valid .safetensors file" in line
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    (weights / "model.safetensors").write_bytes(b"\x07" * 64)
+    line = _fail_in_rank([f"out_dir={out}", f"model.pretrained_path={weights}"], capsys)
+    assert f"model.pretrained_path '{weights}': not a valid .safetensors file" in line
     jsonl = tmp_path / "docs.jsonl"
     jsonl.write_text('{"text": "a\u2028b"}\n\n{"text": "ok"}\n{"text": broken\n', encoding="utf-8")
     data = ["data.source=files", f"data.paths=[{jsonl}]"]

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from plait.train.checkpoint import META_FILE
+from plait.train.checkpoint import verify_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = [
@@ -103,8 +103,8 @@ def test_sigterm_saves_a_complete_checkpoint_at_the_current_step(tmp_path: Path)
     assert lines == [lines[0]] * 2 and f"at step {last} of 100000; checkpoint" in lines[0], err[-3000:]
     ckpts = sorted((run_dir / "checkpoints").iterdir())
     assert [p.name for p in ckpts] == [f"step_{last:08d}"], ckpts
-    meta = json.loads((ckpts[0] / META_FILE).read_text())
-    assert meta["complete"] is True and meta["step"] == last
+    manifest, problem = verify_checkpoint(ckpts[0])
+    assert problem is None and manifest["step"] == last
     assert "Traceback" not in err
 
 

@@ -96,7 +96,6 @@ class Trainer:
         self.device = info.device
         self.run_dir = Path(recipe.run_dir)
         self.ckpt_root = self.run_dir / "checkpoints"
-        self.run_lock = lock_run_dir(self.run_dir)  # first: a second job on this directory stops here
         torch.manual_seed(recipe.train.seed)
         self.ctx: MeshContext = build_mesh_context(recipe, config)
         self.model = build_parallel_model(recipe, self.ctx, self.device)
@@ -121,6 +120,7 @@ class Trainer:
             seed=recipe.train.seed,
             shuffle=recipe.data.shuffle,
         )
+        self.run_lock = lock_run_dir(self.run_dir)  # before the first write: a second job stops here
         self.logger = MetricsLogger(
             self.run_dir / "metrics.jsonl",
             total_steps=recipe.train.steps,
@@ -289,8 +289,16 @@ class Trainer:
         """Resume if asked, train to ``train.steps``, validate, checkpoint, export.
 
         ``stop(step)``, asked after every step on every rank, ends the job there (SIGTERM): a
-        checkpoint of that step is saved and :class:`Stopped` raised.
+        checkpoint of that step is saved and :class:`Stopped` raised. The run directory's lock is
+        released however this ends.
         """
+        try:
+            self._fit(stop)
+        finally:
+            if self.run_lock is not None:
+                self.run_lock.release()
+
+    def _fit(self, stop: Callable[[int], bool] | None) -> None:
         cfg, ckpt = self.recipe.train, self.recipe.checkpoint
         if self.info.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -314,8 +322,6 @@ class Trainer:
             path = export_model(self.model, self.run_dir / "export", self.recipe.model)
             self.logger.event("export", path=str(path))
         self.logger.close()
-        if self.run_lock is not None:
-            self.run_lock.release()
 
     def _stop(self) -> None:
         ckpt = self.recipe.checkpoint
