@@ -133,7 +133,7 @@ def test_megatron_and_moe_fields():
     moe = MoEConfig.from_dict({"lm_head_precision": "float32", "mp_policy": {"param_dtype": "bfloat16"}})
     assert moe.lm_head_precision is torch.float32
     assert moe.mp_policy.param_dtype is torch.bfloat16
-    assert (MoEConfig().ignore_router_for_ac, MoEConfig().reshard_after_forward) == (True, False)
+    assert (MoEConfig().ignore_router_for_ac, MoEConfig().reshard_after_forward) == (True, None)
 
 
 @pytest.mark.parametrize(

@@ -11,10 +11,11 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.nn.parallel import DistributedDataParallel
 
-from plait.mesh import DDPConfig
+from plait.mesh import DDPConfig, MeshContext
 from plait.models import DecoderConfig, DenseDecoder
 from plait.strategies import parallelize_ddp
 from plait.testing import run_on_ranks
+from tests.strategies._hooks import Hooks
 from tests.strategies._parity import Parity, run_parity
 
 _CFG = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
@@ -23,7 +24,9 @@ _CFG = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hi
 def _build(ac: bool | str) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
     ref = DenseDecoder(_CFG)
-    par = parallelize_ddp(copy.deepcopy(ref), DDPConfig(), activation_checkpointing=ac)
+    par = parallelize_ddp(
+        copy.deepcopy(ref), MeshContext.build(DDPConfig(), activation_checkpointing=ac), Hooks()
+    )
     return ref, par
 
 
@@ -52,13 +55,12 @@ def _single_rank(scope: str) -> tuple[str, list[str], bool, list[str]]:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = parallelize_ddp(
-            model,
-            DDPConfig(),
+        ctx = MeshContext.build(
+            DDPConfig(activation_checkpointing_scope=scope),
             activation_checkpointing=True,
-            scope=scope,
             reapply_trainability=freeze_embeddings,
         )
+        out = parallelize_ddp(model, ctx, Hooks())
     wrapped = [n for n, m in out.named_modules() if isinstance(m, CheckpointWrapper)]
     refrozen = bool(frozen) and not out.model.embed_tokens.weight.requires_grad
     return type(out).__name__, wrapped, refrozen, [str(w.message) for w in caught]
@@ -79,4 +81,4 @@ def test_scope_without_matching_layers_checkpoints_nothing() -> None:
 
 def test_wrong_config_type() -> None:
     with pytest.raises(TypeError, match="parallelize_ddp needs a DDPConfig, got dict"):
-        parallelize_ddp(nn.Linear(2, 2), {})  # type: ignore[arg-type]
+        parallelize_ddp(nn.Linear(2, 2), MeshContext(device_mesh=None, strategy_config={}), Hooks())

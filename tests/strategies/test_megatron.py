@@ -24,6 +24,7 @@ from plait.mesh import MegatronFSDPConfig, MeshContext, ParallelismSizes
 from plait.models import MoEDecoder, MoEDecoderConfig, MoEDecoderLayer
 from plait.strategies import parallelize_megatron_fsdp
 from plait.strategies._megatron_api import load_api, resolve_unit_modules, translate_config
+from tests.strategies._hooks import Hooks
 
 _HAS_MEGATRON = importlib.util.find_spec("megatron_fsdp") is not None
 _COMMON = [
@@ -110,7 +111,7 @@ def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch, fa
     with fake_pg(2):
         ctx = MeshContext.build(MegatronFSDPConfig(), ParallelismSizes())
         with pytest.raises(ImportError, match="optional megatron-fsdp package"):
-            parallelize_megatron_fsdp(model, MegatronFSDPConfig(), ctx.device_mesh)
+            parallelize_megatron_fsdp(model, ctx, Hooks())
 
 
 @pytest.mark.parametrize(
@@ -279,7 +280,7 @@ def test_no_unit_modules_fails_before_touching_the_model(calls: list[dict[str, A
     with fake_pg(2):
         ctx = MeshContext.build(MegatronFSDPConfig(), ParallelismSizes())
         with pytest.raises(ValueError, match=r"set MegatronFSDPConfig\.unit_modules"):
-            parallelize_megatron_fsdp(model, MegatronFSDPConfig(), ctx.device_mesh)
+            parallelize_megatron_fsdp(model, ctx, Hooks())
     assert not calls
 
 
@@ -301,9 +302,8 @@ def test_flow_calls_the_package_after_tp_and_trainability(
     config = MegatronFSDPConfig(zero_dp_strategy=2, tp_plan={"model.layers.*.self_attn.q_proj": "colwise"})
     with fake_pg(4):
         ctx = MeshContext.build(config, sizes)
-        out = parallelize_megatron_fsdp(
-            model, config, ctx.device_mesh, reapply_trainability=lambda m: order.append(len(calls))
-        )
+        ctx = MeshContext.build(config, sizes, reapply_trainability=lambda m: order.append(len(calls)))
+        out = parallelize_megatron_fsdp(model, ctx, Hooks())
     assert out is model and order == [0] and len(calls) == 1
     call = calls[0]
     assert call["dp_shard_dim"] == shard_dim and call["tp_dim"] == "tp"
@@ -317,7 +317,7 @@ def test_optimizer_is_sharded_too(calls: list[dict[str, Any]], fake_pg: Any) -> 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with fake_pg(2):
         ctx = MeshContext.build(MegatronFSDPConfig(), ParallelismSizes())
-        out = parallelize_megatron_fsdp(model, MegatronFSDPConfig(), ctx.device_mesh, optimizer=optimizer)
+        out = parallelize_megatron_fsdp(model, ctx, Hooks(), optimizer=optimizer)
     assert out == (model, optimizer) and calls[0]["optimizer"] is optimizer
 
 
@@ -330,7 +330,7 @@ def test_single_data_parallel_rank_applies_tp_only(monkeypatch: pytest.MonkeyPat
         with pytest.warns(
             UserWarning, match=r"dp=1, cp=1: one data-parallel rank, nothing to shard; applied TP \(tp=2\)"
         ):
-            out = parallelize_megatron_fsdp(model, config, ctx.device_mesh)
+            out = parallelize_megatron_fsdp(model, ctx, Hooks())
     assert out is model
     assert isinstance(model.model.layers[1].self_attn.q_proj.weight, DTensor)
 
@@ -339,7 +339,9 @@ def test_wrong_config_type() -> None:
     with pytest.raises(TypeError, match="needs a MegatronFSDPConfig, got DDPConfig"):
         from plait.mesh import DDPConfig
 
-        parallelize_megatron_fsdp(nn.Linear(2, 2), DDPConfig(), None)  # type: ignore[arg-type]
+        parallelize_megatron_fsdp(
+            nn.Linear(2, 2), MeshContext(device_mesh=None, strategy_config=DDPConfig()), Hooks()
+        )
 
 
 @pytest.mark.skipif(
@@ -370,7 +372,7 @@ def _gpu_parity(rank: int) -> None:
         par.load_state_dict(ref.state_dict())
         ctx = MeshContext.build(MegatronFSDPConfig(), ParallelismSizes(), device_type="cuda")
         par, opt = parallelize_megatron_fsdp(
-            par, MegatronFSDPConfig(), ctx.device_mesh, optimizer=torch.optim.SGD(par.parameters(), lr=0.5)
+            par, ctx, Hooks(), optimizer=torch.optim.SGD(par.parameters(), lr=0.5)
         )
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
         batch = global_batch(cfg.vocab_size, 2).cuda()
@@ -392,5 +394,7 @@ def test_mesh_without_dp_axis_is_rejected(calls: list[dict[str, Any]], fake_pg: 
         with pytest.raises(
             ValueError, match=r"dims from \('dp', 'cp', 'tp'\) including 'dp', got \['dp_shard', 'tp'\]"
         ):
-            parallelize_megatron_fsdp(_model(), MegatronFSDPConfig(), mesh)
+            parallelize_megatron_fsdp(
+                _model(), MeshContext(device_mesh=mesh, strategy_config=MegatronFSDPConfig()), Hooks()
+            )
     assert not calls

@@ -1,4 +1,4 @@
-"""parallelize_moe / ExpertParallel refuse bad setups before touching the model, naming the value and fix."""
+"""The expert-parallel steps refuse bad setups before touching the model, naming the value and the fix."""
 
 from __future__ import annotations
 
@@ -13,17 +13,26 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from plait.mesh import FSDP2Config, MeshContext, MoEConfig, ParallelismSizes
 from plait.models import GroupedExperts, MoEDecoder, MoEDecoderConfig
-from plait.strategies import ExpertParallel, parallelize_moe
+from plait.strategies import ExpertParallel, apply_expert_parallel, validate_moe_tp_plan
 
 
 def _untouched(model: nn.Module) -> bool:
     return not any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def _moe(fake_pg: Any, world: int, model: nn.Module, config: FSDP2Config, **sizes: int) -> None:
+def _moe(
+    fake_pg: Any,
+    world: int,
+    model: nn.Module,
+    config: FSDP2Config,
+    moe: MoEConfig | None = None,
+    **sizes: int,
+) -> None:
     with fake_pg(world):
-        ctx = MeshContext.build(config, ParallelismSizes(**sizes))
-        parallelize_moe(model, ctx.device_mesh, ctx.moe_mesh, strategy_config=config)
+        ctx = MeshContext.build(config, ParallelismSizes(**sizes), moe_config=moe)
+        if config.tp_plan is not None:
+            validate_moe_tp_plan(model, config.tp_plan, ctx)
+        apply_expert_parallel(model, ctx)
 
 
 def test_experts_not_divisible_by_ep(fake_pg: Any) -> None:
@@ -60,8 +69,9 @@ def test_ep_must_tile_dp_cp_tp(
     with fake_pg(root[0] * root[1]):
         device_mesh = init_device_mesh("cpu", root, mesh_dim_names=("pp", "dp_shard"))
         moe_mesh = init_device_mesh("cpu", moe, mesh_dim_names=("ep_shard", "ep"))
+        ctx = MeshContext.from_meshes(device_mesh, moe_mesh, strategy_config=FSDP2Config(mp_policy=None))
         with pytest.raises(ValueError, match=message):
-            parallelize_moe(model, device_mesh, moe_mesh, strategy_config=FSDP2Config(mp_policy=None))
+            apply_expert_parallel(model, ctx)
     assert _untouched(model)
 
 
@@ -102,7 +112,7 @@ class _PerExpertMoE(nn.Module):
 
 def test_per_expert_module_list_is_rejected(fake_pg: Any) -> None:
     with pytest.raises(
-        ValueError, match=r"'experts' is a per-expert ModuleList; expert parallel needs grouped"
+        ValueError, match=r"'experts' is a per-expert ModuleList; expert parallel needs one experts module"
     ):
         _moe(fake_pg, 4, _PerExpertMoE(), FSDP2Config(mp_policy=None), ep_size=2)
 
@@ -123,16 +133,41 @@ def test_experts_without_common_expert_dim_are_rejected(fake_pg: Any) -> None:
 def test_unwrapped_outer_model_with_own_parameters_is_rejected(fake_pg: Any) -> None:
     model = MoEDecoder(MoEDecoderConfig())
     model.scale = nn.Parameter(torch.ones(1))
+    with pytest.raises(ValueError, match="wrap_outer_model=False, but MoEDecoder owns parameters directly"):
+        _moe(fake_pg, 4, model, FSDP2Config(mp_policy=None), MoEConfig(wrap_outer_model=False), ep_size=2)
+    assert _untouched(model)
+
+
+def test_lm_head_precision_on_a_tied_head_is_rejected(fake_pg: Any) -> None:
+    model = MoEDecoder(MoEDecoderConfig(tie_word_embeddings=True))
+    with pytest.raises(ValueError, match=r"lm_head_precision=torch\.float32 needs an untied output head"):
+        _moe(
+            fake_pg, 4, model, FSDP2Config(mp_policy=None), MoEConfig(lm_head_precision="float32"), ep_size=2
+        )
+    assert _untouched(model)
+
+
+def test_resharding_experts_under_selective_checkpointing_is_rejected(fake_pg: Any) -> None:
+    model = MoEDecoder(MoEDecoderConfig())
+    with fake_pg(4):
+        ctx = MeshContext.build(
+            FSDP2Config(mp_policy=None),
+            ParallelismSizes(ep_size=2),
+            moe_config=MoEConfig(reshard_after_forward=True),
+            activation_checkpointing="selective",
+        )
+        with pytest.raises(ValueError, match=r"MoEConfig.reshard_after_forward=True .*selective"):
+            apply_expert_parallel(model, ctx)
+    assert _untouched(model)
+
+
+def test_ep_on_ddp_is_rejected(fake_pg: Any) -> None:
+    from plait.mesh import DDPConfig
+
+    model = MoEDecoder(MoEDecoderConfig())
     with fake_pg(4):
         ctx = MeshContext.build(FSDP2Config(mp_policy=None), ParallelismSizes(ep_size=2))
-        with pytest.raises(
-            ValueError, match="wrap_outer_model=False, but MoEDecoder owns parameters directly"
-        ):
-            parallelize_moe(
-                model,
-                ctx.device_mesh,
-                ctx.moe_mesh,
-                strategy_config=FSDP2Config(mp_policy=None),
-                moe_config=MoEConfig(wrap_outer_model=False),
-            )
+        ddp = MeshContext(device_mesh=None, moe_mesh=ctx.moe_mesh, strategy_config=DDPConfig())
+        with pytest.raises(TypeError, match=r"expert parallelism \(ep_size=2\) needs FSDP2Config"):
+            apply_expert_parallel(model, ddp)
     assert _untouched(model)

@@ -238,8 +238,8 @@ class MoEConfig(_Config):
 
     ignore_router_for_ac: bool = True
     """Save (never recompute) the router under activation checkpointing, so routing cannot change."""
-    reshard_after_forward: bool = False
-    """Reshard the FSDP units of MoE blocks after forward."""
+    reshard_after_forward: bool | None = None
+    """Reshard the layer and expert FSDP units after forward; None = ``FSDP2Config.reshard_after_forward``."""
     lm_head_precision: torch.dtype | None = None
     """Dtype the output head computes in (e.g. float32); None = the mixed-precision default."""
     wrap_outer_model: bool = True

@@ -1,15 +1,15 @@
-"""Strategy dispatch for one sidecar: MoE, FSDP2 (sharded or unsharded), DDP or Megatron-FSDP."""
+"""Strategy dispatch for one sidecar: FSDP2 (sharded, unsharded or with experts), DDP or Megatron-FSDP."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from plait.cp import check_context_parallel_support
 from plait.mesh import DDPConfig, FSDP2Config, MegatronFSDPConfig
 from plait.sharding import discover_layer_groups
-from plait.strategies import parallelize_ddp, parallelize_megatron_fsdp, parallelize_moe
+from plait.strategies import check_expert_parallel, parallelize_ddp, parallelize_megatron_fsdp
 
 if TYPE_CHECKING:
     from plait.mesh import MeshContext
@@ -24,13 +24,14 @@ def _apply_model_parallelizer(
     config = mesh_context.strategy_config
     check_context_parallel_support(mesh_context)  # cp > 1 only where the cp step runs
     if mesh_context.ep_size > 1:
-        return _parallelize_moe(model, mesh_context, parallelizer)
+        check_expert_parallel(model, mesh_context)  # FSDP2 only: refuse DDP / Megatron-FSDP here
+        return parallelizer._apply(model, mesh_context)
     if isinstance(config, FSDP2Config):
         return _parallelize_fsdp2(model, mesh_context, parallelizer)
     if isinstance(config, DDPConfig):
-        return _parallelize_ddp(model, mesh_context, parallelizer)
+        return parallelize_ddp(model, mesh_context, parallelizer)
     if isinstance(config, MegatronFSDPConfig):
-        return _parallelize_megatron_fsdp(model, mesh_context, parallelizer)
+        return parallelize_megatron_fsdp(model, mesh_context, parallelizer)
     raise TypeError(
         f"parallelize_model does not support strategy_config={config!r} ({type(config).__name__}); "
         "use FSDP2Config, DDPConfig or MegatronFSDPConfig from plait.mesh."
@@ -70,68 +71,3 @@ def _parallelize_unsharded_fsdp2(
     if mesh_context.reapply_trainability is not None:
         mesh_context.reapply_trainability(model)
     return model
-
-
-def _parallelize_ddp(
-    model: nn.Module, mesh_context: MeshContext, parallelizer: ModelParallelizer
-) -> nn.Module:
-    return parallelize_ddp(
-        model,
-        mesh_context.strategy_config,
-        activation_checkpointing=mesh_context.activation_checkpointing,
-        reapply_trainability=mesh_context.reapply_trainability,
-        layer_group_paths=parallelizer.layer_group_paths,
-        whole_layer_checkpointing=parallelizer._use_full_layer_activation_checkpointing(model),
-    )
-
-
-def _parallelize_megatron_fsdp(
-    model: nn.Module, mesh_context: MeshContext, parallelizer: ModelParallelizer
-) -> nn.Module:
-    if mesh_context.device_mesh is None:
-        raise ValueError(
-            "Megatron-FSDP needs mesh_context.device_mesh, got None; build the context with "
-            "MeshContext.build(MegatronFSDPConfig(...), sizes)."
-        )
-    return parallelize_megatron_fsdp(
-        model,
-        mesh_context.strategy_config,
-        mesh_context.device_mesh,
-        **_tp_and_checkpointing_hooks(model, mesh_context, parallelizer),
-    )
-
-
-def _parallelize_moe(
-    model: nn.Module, mesh_context: MeshContext, parallelizer: ModelParallelizer
-) -> nn.Module:
-    config = mesh_context.strategy_config
-    if not isinstance(config, FSDP2Config) or mesh_context.device_mesh is None:
-        raise TypeError(
-            f"expert parallelism (ep_size={mesh_context.ep_size}) needs FSDP2Config and a device mesh, got "
-            f"{type(config).__name__} with device_mesh={mesh_context.device_mesh!r}; use "
-            "MeshContext.build(FSDP2Config(...), ParallelismSizes(ep_size=...))."
-        )
-    return parallelize_moe(
-        model,
-        mesh_context.device_mesh,
-        mesh_context.moe_mesh,
-        strategy_config=config,
-        moe_config=mesh_context.moe_config,
-        **_tp_and_checkpointing_hooks(model, mesh_context, parallelizer),
-        shard_fn=parallelizer._fully_shard_module,
-    )
-
-
-def _tp_and_checkpointing_hooks(
-    model: nn.Module, mesh_context: MeshContext, parallelizer: ModelParallelizer
-) -> dict[str, Any]:
-    """The sidecar's TP and checkpointing hooks, as the keyword arguments the strategies take."""
-    return {
-        "activation_checkpointing": mesh_context.activation_checkpointing,
-        "reapply_trainability": mesh_context.reapply_trainability,
-        "model_tp_plan": parallelizer.tp_plan,
-        "finalize_tp_plan": parallelizer._finalize_tp_plan,
-        "validate_tp": parallelizer._validate_tp_mesh,
-        "layer_group_paths": parallelizer.layer_group_paths,
-        "whole_layer_checkpointing": parallelizer._use_full_layer_activation_checkpointing(model),
-    }

@@ -1,4 +1,4 @@
-"""`ModelParallelizer`: the model-owned sidecar whose hooks shape the shared FSDP2 flow."""
+"""`ModelParallelizer`: the model-owned sidecar whose hooks shape the one shared FSDP2 flow (dense and MoE)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,17 @@ from plait.sharding import (
     guard_tied_embeddings,
 )
 from plait.sidecar.dispatch import _apply_model_parallelizer
+from plait.strategies import (
+    apply_expert_parallel,
+    check_expert_parallel,
+    moe_reshard_after_forward,
+    save_moe_routing,
+    shard_experts,
+    shard_moe_lm_head,
+    shard_top_children,
+    validate_moe_tp_plan,
+    wraps_root,
+)
 from plait.tp import apply_tp, enable_async_tp, resolve_tp_plan, validate_tp_mesh
 
 if TYPE_CHECKING:
@@ -59,35 +70,28 @@ class ModelParallelizer:
         return _apply_model_parallelizer(self, model, mesh_context)
 
     def _apply(self, model: nn.Module, mesh_context: MeshContext) -> nn.Module:
-        """Apply the shared dense FSDP2 flow (TP, AC, FSDP units, root) and return the root unit.
+        """Apply the shared FSDP2 flow (TP, EP, AC, FSDP units, root) and return the root unit.
 
-        One line per step, each a call into a lower package, in this order: TP before activation
-        checkpointing, checkpointing before FSDP, trainability restored before FSDP reads it.
+        One line per step, each a call into a lower package, in this order: refusals before any
+        collective, TP before expert parallel, both before activation checkpointing, checkpointing
+        before FSDP, trainability restored before FSDP reads it, expert units before layer units.
         """
         cfg, fsdp_mesh = mesh_context.strategy_config, mesh_context.fsdp_mesh()
         groups = discover_layer_groups(model, self.layer_group_paths)
+        check_expert_parallel(model, mesh_context)
         apply_context_parallel(model, mesh_context)  # cp > 1: attention over the sharded sequence
         if mesh_context.tp_size > 1:
-            tp_mesh = mesh_context.tp_mesh()
-            self._validate_tp_mesh(model, tp_mesh)
-            plan = resolve_tp_plan(
-                model,
-                plan=cfg.tp_plan,
-                sequence_parallel=cfg.sequence_parallel,
-                tp_size=tp_mesh.size(),
-                model_plan=self.tp_plan,
-                finalize=self._finalize_tp_plan,
-            )
-            apply_tp(model, tp_mesh, plan)  # re-ties embeddings, rewrites local head counts
-            if cfg.enable_async_tensor_parallel:
-                enable_async_tp(tp_mesh, sequence_parallel=cfg.sequence_parallel)
+            self._apply_tensor_parallel(model, mesh_context)
+        apply_expert_parallel(model, mesh_context)
         if mesh_context.activation_checkpointing:
             self._checkpoint_activations(model, groups, mesh_context)
+            save_moe_routing(model, mesh_context)
         if mesh_context.reapply_trainability is not None:
             mesh_context.reapply_trainability(model)
         frozen = find_frozen_multimodal_modules(model)
         ignored = frozen_multimodal_ignored_params(frozen, cfg.frozen_multimodal_sharding)
         guard_tied_embeddings(model)
+        shard_experts(model, mesh_context, shard_fn=self._fully_shard_module)
         self._apply_fsdp_sharding(
             model,
             fsdp_mesh,
@@ -96,10 +100,11 @@ class ModelParallelizer:
             enable_fsdp2_prefetch=cfg.enable_fsdp2_prefetch,
             fsdp2_backward_prefetch_depth=cfg.fsdp2_backward_prefetch_depth,
             fsdp2_forward_prefetch_depth=cfg.fsdp2_forward_prefetch_depth,
-            reshard_after_forward=cfg.reshard_after_forward,
+            reshard_after_forward=moe_reshard_after_forward(mesh_context),
             frozen_multimodal_sharding=cfg.frozen_multimodal_sharding,
             ignored_multimodal_params=ignored,
         )
+        shard_moe_lm_head(model, mesh_context, shard_fn=self._fully_shard_module)
         self._fully_shard_untied_input_output_embeddings(
             model,
             fsdp_mesh,
@@ -108,6 +113,8 @@ class ModelParallelizer:
             input_reshard_after_forward=cfg.reshard_after_forward is not False,
             layer_groups=groups,
         )
+        if not wraps_root(mesh_context):
+            return shard_top_children(model, mesh_context, shard_fn=self._fully_shard_module)
         return fully_shard_root(
             model,
             fsdp_mesh,
@@ -116,6 +123,23 @@ class ModelParallelizer:
             ignored_params=ignored,
             shard_fn=self._fully_shard_module,
         )
+
+    def _apply_tensor_parallel(self, model: nn.Module, mesh_context: MeshContext) -> None:
+        """Resolve the TP plan (config, sidecar, registry, Hugging Face, default), check it, apply it."""
+        cfg, tp_mesh = mesh_context.strategy_config, mesh_context.tp_mesh()
+        self._validate_tp_mesh(model, tp_mesh)
+        plan = resolve_tp_plan(
+            model,
+            plan=cfg.tp_plan,
+            sequence_parallel=cfg.sequence_parallel,
+            tp_size=tp_mesh.size(),
+            model_plan=self.tp_plan,
+            finalize=self._finalize_tp_plan,
+        )
+        validate_moe_tp_plan(model, plan, mesh_context)
+        apply_tp(model, tp_mesh, plan)  # re-ties embeddings, rewrites local head counts
+        if cfg.enable_async_tensor_parallel:
+            enable_async_tp(tp_mesh, sequence_parallel=cfg.sequence_parallel)
 
     def _apply_fsdp_sharding(
         self,

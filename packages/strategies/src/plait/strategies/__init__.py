@@ -1,15 +1,35 @@
-"""DDP, Megatron-FSDP and MoE expert parallelism."""
+"""DDP, Megatron-FSDP and the expert-parallel steps of the FSDP2 flow."""
 
 from plait.strategies.ddp import parallelize_ddp
-from plait.strategies.experts import ExpertParallel, num_experts_of
+from plait.strategies.experts import ExpertParallel, experts_convention, num_experts_of
+from plait.strategies.hooks import SidecarHooks
 from plait.strategies.megatron import parallelize_megatron_fsdp
-from plait.strategies.moe import parallelize_moe, validate_moe_tp_plan
+from plait.strategies.moe import (
+    apply_expert_parallel,
+    check_expert_parallel,
+    moe_reshard_after_forward,
+    save_moe_routing,
+    shard_experts,
+    shard_moe_lm_head,
+    shard_top_children,
+    validate_moe_tp_plan,
+    wraps_root,
+)
 
 __all__ = [
     "ExpertParallel",
+    "SidecarHooks",
+    "apply_expert_parallel",
+    "check_expert_parallel",
+    "experts_convention",
+    "moe_reshard_after_forward",
     "num_experts_of",
     "parallelize_ddp",
     "parallelize_megatron_fsdp",
-    "parallelize_moe",
+    "save_moe_routing",
+    "shard_experts",
+    "shard_moe_lm_head",
+    "shard_top_children",
     "validate_moe_tp_plan",
+    "wraps_root",
 ]

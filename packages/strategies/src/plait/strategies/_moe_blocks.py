@@ -42,9 +42,10 @@ def find_moe_blocks(model: nn.Module, ep_size: int) -> list[MoEBlockInfo]:
         experts_fqn = _join(fqn, "experts")
         if isinstance(experts, nn.ModuleList | nn.ModuleDict):
             raise ValueError(
-                f"{experts_fqn!r} is a per-expert {type(experts).__name__}; expert parallel needs grouped experts "
-                "(one module whose parameters stack the experts on dim 0, called as "
-                "experts(tokens_grouped_by_expert, num_tokens_per_expert))"
+                f"{experts_fqn!r} is a per-expert {type(experts).__name__}; expert parallel needs one experts "
+                "module whose parameters stack the experts on dim 0 (the fused layout of Hugging Face "
+                "transformers >= 5, e.g. gate_up_proj [E, 2I, H]); the block's own per-expert loop cannot "
+                "be dispatched by all-to-all - load the model with transformers >= 5 or use ep_size 1"
             )
         num_experts = num_experts_of(experts)
         if num_experts % ep_size != 0:

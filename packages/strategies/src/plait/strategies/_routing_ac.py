@@ -41,6 +41,10 @@ def _policy(
     routing: _RouterDepth, selective: bool, counters: dict[str, int]
 ) -> Callable[..., CheckpointPolicy]:
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if getattr(op, "namespace", None) == "profiler":
+            # record_function markers (FSDP's hooks emit them) carry no values and differ in number
+            # between forward and recompute; saving them would misalign the saved-op indices.
+            return CheckpointPolicy.PREFER_RECOMPUTE
         if routing.depth:
             return CheckpointPolicy.MUST_SAVE
         if not selective:

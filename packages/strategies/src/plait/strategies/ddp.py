@@ -1,22 +1,15 @@
-"""Plain DistributedDataParallel: activation checkpointing per scope, then the DDP wrapper."""
+"""Plain DistributedDataParallel: the sidecar's activation checkpointing, then the DDP wrapper."""
 
 from __future__ import annotations
-
-from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from plait.mesh import (
-    ActivationCheckpointing,
-    DDPConfig,
-    normalize_ac_scope,
-    normalize_activation_checkpointing,
-)
-from plait.sharding import apply_activation_checkpointing, discover_layer_groups
+from plait.mesh import DDPConfig, MeshContext
+from plait.sharding import discover_layer_groups
+from plait.strategies.hooks import SidecarHooks
 
 __all__ = ["parallelize_ddp"]
 
@@ -28,52 +21,36 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def parallelize_ddp(
-    model: nn.Module,
-    config: DDPConfig,
-    *,
-    activation_checkpointing: ActivationCheckpointing = False,
-    scope: str | Iterable[str] | None = None,
-    reapply_trainability: Callable[[nn.Module], None] | None = None,
-    layer_group_paths: Any = None,
-    whole_layer_checkpointing: bool = False,
-) -> nn.Module:
-    """Checkpoint the layers ``scope`` selects, restore trainability, then wrap in DDP (world > 1).
+def parallelize_ddp(model: nn.Module, mesh_context: MeshContext, sidecar: SidecarHooks) -> nn.Module:
+    """Checkpoint the layers (the sidecar's hook), restore trainability, then wrap in DDP (world > 1).
 
     The device comes from the default process group (NCCL: the current CUDA device; otherwise CPU).
     With one rank there is nothing to synchronise: the model is returned unwrapped.
 
     Args:
         model: The model; moved to the device.
-        config: The :class:`DDPConfig` (DDP options and the default AC scope).
-        activation_checkpointing: False, True / ``"full"`` or ``"selective"``.
-        scope: AC scope; None = ``config.activation_checkpointing_scope``.
-        reapply_trainability: Called after AC wrapping, before DDP records which parameters train.
-        layer_group_paths: The sidecar's ``layer_group_paths`` for activation checkpointing.
-        whole_layer_checkpointing: Checkpoint whole layers instead of per submodule (full mode).
+        mesh_context: Carries the :class:`DDPConfig`, the AC mode and ``reapply_trainability``.
+        sidecar: The model's sidecar (``_checkpoint_activations``, ``layer_group_paths``).
 
     Returns:
         ``DistributedDataParallel(model)``, or ``model`` itself with one rank.
 
     Raises:
-        TypeError: ``config`` is not a :class:`DDPConfig`.
-        ValueError: the default process group is not initialised, or a bad AC mode / scope.
+        TypeError: the strategy config is not a :class:`DDPConfig`.
+        ValueError: the default process group is not initialised.
     """
+    config = mesh_context.strategy_config
     if not isinstance(config, DDPConfig):
         raise TypeError(f"parallelize_ddp needs a DDPConfig, got {type(config).__name__}")
     if not dist.is_initialized():
         raise ValueError(
             "parallelize_ddp needs an initialised default process group; call plait.mesh.init_distributed()"
         )
-    mode = normalize_activation_checkpointing(activation_checkpointing)
-    ac_scope = normalize_ac_scope(scope) if scope is not None else config.activation_checkpointing_scope
-    if mode:
-        groups = discover_layer_groups(model, layer_group_paths)
-        apply_activation_checkpointing(
-            model, groups, mode=mode, scope=ac_scope, whole_layer=whole_layer_checkpointing
-        )
-    if reapply_trainability is not None:
-        reapply_trainability(model)
+    if mesh_context.activation_checkpointing:
+        groups = discover_layer_groups(model, sidecar.layer_group_paths)
+        sidecar._checkpoint_activations(model, groups, mesh_context)
+    if mesh_context.reapply_trainability is not None:
+        mesh_context.reapply_trainability(model)
     device = _device()
     model.to(device)
     if dist.get_world_size() == 1:

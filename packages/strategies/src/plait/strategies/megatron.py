@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from plait.mesh import (
-    ActivationCheckpointing,
-    MegatronFSDPConfig,
-    MeshContext,
-    normalize_activation_checkpointing,
-)
-from plait.sharding import apply_activation_checkpointing, discover_layer_groups
+from plait.mesh import MegatronFSDPConfig, MeshContext
+from plait.sharding import discover_layer_groups
 from plait.strategies._megatron_api import load_api, resolve_unit_modules, translate_config
-from plait.tp import apply_tp, resolve_tp_plan, validate_tp_mesh
+from plait.strategies.hooks import SidecarHooks
+from plait.tp import apply_tp, resolve_tp_plan
 
 __all__ = ["parallelize_megatron_fsdp"]
 
@@ -43,17 +37,10 @@ def _device(device_mesh: DeviceMesh) -> torch.device:
 
 def parallelize_megatron_fsdp(
     model: nn.Module,
-    config: MegatronFSDPConfig,
-    device_mesh: DeviceMesh,
+    mesh_context: MeshContext,
+    sidecar: SidecarHooks,
     *,
     optimizer: torch.optim.Optimizer | None = None,
-    activation_checkpointing: ActivationCheckpointing = False,
-    reapply_trainability: Callable[[nn.Module], None] | None = None,
-    model_tp_plan: Any = None,
-    finalize_tp_plan: Callable[..., Any] | None = None,
-    validate_tp: Callable[[nn.Module, DeviceMesh], None] | None = None,
-    layer_group_paths: Any = None,
-    whole_layer_checkpointing: bool = False,
 ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
     """Apply TP, AC and ``reapply_trainability``, then Megatron-FSDP over the ``dp`` (x ``cp``) ranks.
 
@@ -62,56 +49,57 @@ def parallelize_megatron_fsdp(
 
     Args:
         model: The model.
-        config: The :class:`MegatronFSDPConfig`.
-        device_mesh: The ``(dp, cp, tp)`` mesh (``MeshContext.build(MegatronFSDPConfig(), sizes)``).
+        mesh_context: Carries the :class:`MegatronFSDPConfig`, its ``(dp, cp, tp)`` device mesh
+            (``MeshContext.build(MegatronFSDPConfig(), sizes)``), the AC mode and ``reapply_trainability``.
+        sidecar: The model's sidecar (TP plan factory and hooks, checkpointing hook, layer paths).
         optimizer: Optional optimizer over ``model``'s parameters; it is rebuilt on the sharded
             parameters (one parameter group with the optimizer's defaults) and hooked to Megatron-FSDP.
-        activation_checkpointing: False, True / ``"full"`` or ``"selective"``; scope from the config.
-        reapply_trainability: Called after TP/AC wrapping, before sharding, to restore ``requires_grad``.
-        model_tp_plan: The sidecar's TP plan factory (``resolve_tp_plan``'s ``model_plan``).
-        finalize_tp_plan: The sidecar's ``_finalize_tp_plan`` hook.
-        validate_tp: The sidecar's ``_validate_tp_mesh`` hook; default :func:`plait.tp.validate_tp_mesh`.
-        layer_group_paths: The sidecar's ``layer_group_paths`` for activation checkpointing.
-        whole_layer_checkpointing: Checkpoint whole layers instead of per submodule (full mode).
 
     Returns:
         The Megatron-FSDP model; ``(model, optimizer)`` when an optimizer was given.
 
     Raises:
-        TypeError: ``config`` is not a :class:`MegatronFSDPConfig`.
+        TypeError: the strategy config is not a :class:`MegatronFSDPConfig`.
         ImportError: megatron-fsdp is missing or its API is unsupported (names the version needed).
         ValueError: a bad mesh, no unit modules, a bad TP plan or head counts vs tp.
     """
+    config = mesh_context.strategy_config
     if not isinstance(config, MegatronFSDPConfig):
         raise TypeError(f"parallelize_megatron_fsdp needs a MegatronFSDPConfig, got {type(config).__name__}")
+    device_mesh = mesh_context.device_mesh
+    if device_mesh is None:
+        raise ValueError(
+            "Megatron-FSDP needs mesh_context.device_mesh, got None; build the context with "
+            "MeshContext.build(MegatronFSDPConfig(...), sizes)."
+        )
     dp, cp, tp = _sizes(device_mesh)
     shard = dp * cp > 1
-    ac_mode = normalize_activation_checkpointing(activation_checkpointing)
     if shard:
         api = load_api(with_optimizer=optimizer is not None)
         units = resolve_unit_modules(model, config)
         kwargs = translate_config(config, api)
     plan = None
     if tp > 1:
-        (validate_tp or validate_tp_mesh)(model, device_mesh["tp"])
+        sidecar._validate_tp_mesh(model, device_mesh["tp"])
         plan = resolve_tp_plan(
-            model, plan=config.tp_plan, tp_size=tp, model_plan=model_tp_plan, finalize=finalize_tp_plan
-        )
-    groups = discover_layer_groups(model, layer_group_paths) if ac_mode else []
-
-    ctx = MeshContext.from_meshes(device_mesh, strategy_config=config)
-    if plan:
-        apply_tp(model, ctx.tp_mesh(), plan)
-    if ac_mode:
-        apply_activation_checkpointing(
             model,
-            groups,
-            mode=ac_mode,
-            scope=config.activation_checkpointing_scope,
-            whole_layer=whole_layer_checkpointing,
+            plan=config.tp_plan,
+            tp_size=tp,
+            model_plan=sidecar.tp_plan,
+            finalize=sidecar._finalize_tp_plan,
         )
-    if reapply_trainability is not None:
-        reapply_trainability(model)
+    groups = (
+        discover_layer_groups(model, sidecar.layer_group_paths)
+        if mesh_context.activation_checkpointing
+        else []
+    )
+
+    if plan:
+        apply_tp(model, mesh_context.tp_mesh(), plan)
+    if mesh_context.activation_checkpointing:
+        sidecar._checkpoint_activations(model, groups, mesh_context)
+    if mesh_context.reapply_trainability is not None:
+        mesh_context.reapply_trainability(model)
     if not shard:
         warnings.warn(
             f"Megatron-FSDP with dp={dp}, cp={cp}: one data-parallel rank, nothing to shard; applied TP "

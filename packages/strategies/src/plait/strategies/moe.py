@@ -1,7 +1,8 @@
-"""Mixture-of-experts parallelization: TP -> EP -> AC -> reapply_trainability -> FSDP.
+"""The expert-parallel steps of the one FSDP2 flow (``ModelParallelizer._apply``), each a no-op at ep 1.
 
-Experts are sharded ``Shard(0)`` on the ``ep`` axis of the MoE mesh :class:`ExpertParallel` and get their
-own FSDP unit on its ``ep_shard`` axis; everything else is sharded like a dense model on the FSDP mesh.
+Order inside the flow: :func:`check_expert_parallel` first (refusals, before any collective), TP (with
+:func:`validate_moe_tp_plan`), :func:`apply_expert_parallel`, activation checkpointing then
+:func:`save_moe_routing`, :func:`shard_experts` before the layer units, :func:`shard_moe_lm_head` after.
 
 Gradient scaling. The dense units average gradients over the data-parallel ranks (``dp*cp``; TP ranks
 see the same data). An expert's gradient on its owner rank already *sums* the contributions of every
@@ -14,57 +15,41 @@ dense units' average, so each experts unit gets ``set_gradient_divide_factor(moe
 from __future__ import annotations
 
 import fnmatch
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 
-from plait.mesh import (
-    ActivationCheckpointing,
-    FSDP2Config,
-    MeshContext,
-    MoEConfig,
-    normalize_activation_checkpointing,
-)
-from plait.sharding import (
-    apply_activation_checkpointing,
-    apply_fsdp_sharding,
-    discover_layer_groups,
-    fully_shard_root,
-    guard_tied_embeddings,
-)
+from plait.mesh import FSDP2Config, MeshContext
 from plait.strategies._moe_blocks import MoEBlockInfo, find_moe_blocks
 from plait.strategies._routing_ac import save_routing_under_checkpoint
-from plait.strategies.experts import ExpertParallel
-from plait.tp import apply_tp, resolve_tp_plan, validate_tp_mesh
+from plait.strategies.experts import ExpertParallel, experts_convention
 
-__all__ = ["parallelize_moe", "validate_moe_tp_plan"]
+__all__ = [
+    "apply_expert_parallel",
+    "check_expert_parallel",
+    "moe_reshard_after_forward",
+    "save_moe_routing",
+    "shard_experts",
+    "shard_moe_lm_head",
+    "shard_top_children",
+    "validate_moe_tp_plan",
+    "wraps_root",
+]
 
 ShardFn = Callable[..., nn.Module]
 
 
-def _dim(mesh: DeviceMesh | None, name: str) -> int:
-    names = () if mesh is None else (mesh.mesh_dim_names or ())
-    return mesh.size(names.index(name)) if mesh is not None and name in names else 1
-
-
-def _check_meshes(device_mesh: DeviceMesh, moe_mesh: DeviceMesh) -> tuple[int, int]:
-    """Return ``(ep, ep_shard)``; errors when the MoE mesh does not tile the non-pipeline ranks."""
-    names = moe_mesh.mesh_dim_names or ()
-    if "ep" not in names:
-        raise ValueError(
-            f"moe_mesh dims {list(names)} have no 'ep' axis; build it with plait.mesh.build_moe_mesh"
-        )
-    ep, ep_shard = _dim(moe_mesh, "ep"), _dim(moe_mesh, "ep_shard")
-    cp, tp = _dim(device_mesh, "cp"), _dim(device_mesh, "tp")
-    dense = device_mesh.size() // _dim(device_mesh, "pp")
-    product = f"dp*cp*tp = {dense // (cp * tp)}*{cp}*{tp} = {dense}"
+def _check_mesh_tiling(mesh_context: MeshContext) -> None:
+    ep = mesh_context.ep_size
+    ep_shard = mesh_context.ep_shard_mesh().size() if "ep_shard" in _moe_dims(mesh_context) else 1
+    dp, cp, tp = mesh_context.dp_size or 1, mesh_context.cp_size, mesh_context.tp_size
+    dense = dp * cp * tp
+    product = f"dp*cp*tp = {dp}*{cp}*{tp} = {dense}"
     if dense % ep != 0:
         raise ValueError(f"ep_size {ep} must divide {product}; pick an ep_size that divides {dense}")
     if ep * ep_shard != dense:
@@ -72,15 +57,72 @@ def _check_meshes(device_mesh: DeviceMesh, moe_mesh: DeviceMesh) -> tuple[int, i
             f"moe_mesh (ep_shard={ep_shard}, ep={ep}) spans {ep * ep_shard} ranks but {product}; "
             f"ep_shard must be {dense // ep}"
         )
-    return ep, ep_shard
 
 
-def validate_moe_tp_plan(model: nn.Module, plan: Mapping[str, Any], blocks: list[MoEBlockInfo]) -> None:
-    """Fail closed: no plan pattern may touch an experts module, a router or a gate (or anything inside).
+def _moe_dims(mesh_context: MeshContext) -> tuple[str, ...]:
+    mesh = mesh_context.moe_mesh
+    return () if mesh is None else tuple(mesh.mesh_dim_names or ())
+
+
+def check_expert_parallel(model: nn.Module, mesh_context: MeshContext) -> list[MoEBlockInfo]:
+    """Refuse what expert parallel cannot do, on every rank, before any collective; return the blocks.
+
+    Returns ``[]`` at ep 1.
+
+    Raises:
+        TypeError: a non-FSDP2 strategy, or an experts forward of neither supported convention.
+        ValueError: ep vs ``dp*cp*tp``; no experts; ``num_experts % ep``; per-expert module lists;
+            sequence parallel or async TP; ``wrap_outer_model=False`` with root-owned parameters.
+    """
+    if mesh_context.ep_size == 1:
+        return []
+    cfg, moe_cfg = mesh_context.strategy_config, mesh_context.moe_config
+    if not isinstance(cfg, FSDP2Config) or mesh_context.device_mesh is None or moe_cfg is None:
+        raise TypeError(
+            f"expert parallelism (ep_size={mesh_context.ep_size}) needs FSDP2Config and a device mesh, got "
+            f"{type(cfg).__name__} with device_mesh={mesh_context.device_mesh!r}; use "
+            "MeshContext.build(FSDP2Config(...), ParallelismSizes(ep_size=...))."
+        )
+    _check_mesh_tiling(mesh_context)
+    blocks = find_moe_blocks(model, mesh_context.ep_size)
+    for block in blocks:
+        experts_convention(block.experts)
+    if cfg.sequence_parallel or cfg.enable_async_tensor_parallel:
+        raise ValueError(
+            f"MoE models do not support sequence_parallel={cfg.sequence_parallel} / "
+            f"enable_async_tensor_parallel={cfg.enable_async_tensor_parallel}: the MoE block expects "
+            "replicated activations; set both to False"
+        )
+    if _saves_ops_in_layers(mesh_context) and moe_cfg.reshard_after_forward is True:
+        raise ValueError(
+            f"MoEConfig.reshard_after_forward=True under activation_checkpointing="
+            f"{mesh_context.activation_checkpointing!r} (ignore_router_for_ac={moe_cfg.ignore_router_for_ac}): "
+            "selective checkpointing replays the forward's ops, and an expert unit that reshards would "
+            "all-gather again inside the recompute; unset MoEConfig.reshard_after_forward (expert units then "
+            "stay unsharded between forward and backward)"
+        )
+    if moe_cfg.lm_head_precision is not None and _output_head(model)[1]:
+        raise ValueError(
+            f"MoEConfig.lm_head_precision={moe_cfg.lm_head_precision} needs an untied output head, but "
+            f"{type(model).__name__} ties it to the input embeddings; unset lm_head_precision"
+        )
+    if not moe_cfg.wrap_outer_model and any(True for _ in model.parameters(recurse=False)):
+        raise ValueError(
+            f"MoEConfig.wrap_outer_model=False, but {type(model).__name__} owns parameters directly; they "
+            "would never be sharded or synchronised - set wrap_outer_model=True"
+        )
+    return blocks
+
+
+def validate_moe_tp_plan(model: nn.Module, plan: Mapping[str, Any], mesh_context: MeshContext) -> None:
+    """Under ep > 1, no TP plan pattern may touch an experts module, a router or a gate (or anything inside).
 
     Raises:
         ValueError: naming the pattern and the protected module it matches.
     """
+    if mesh_context.ep_size == 1:
+        return
+    blocks = find_moe_blocks(model, mesh_context.ep_size)
     protected = [fqn for b in blocks for fqn in (b.experts_fqn, b.router_fqn) if fqn is not None]
     names = [name for name, _ in model.named_modules() if name]
     for pattern in plan:
@@ -89,28 +131,51 @@ def validate_moe_tp_plan(model: nn.Module, plan: Mapping[str, Any], blocks: list
             if hit is not None:
                 raise ValueError(
                     f"tp_plan pattern {pattern!r} matches {name!r}, inside MoE experts/router {hit!r}; "
-                    "experts are expert-parallel and routers/gates stay replicated — remove the pattern"
+                    "experts are expert-parallel and routers/gates stay replicated - remove the pattern"
                 )
 
 
-def _resolve_plan(
-    model: nn.Module,
-    cfg: FSDP2Config,
-    tp_size: int,
-    blocks: list[MoEBlockInfo],
-    model_tp_plan: Any,
-    finalize_tp_plan: Callable[..., Any] | None,
-) -> dict[str, ParallelStyle]:
-    plan = resolve_tp_plan(
-        model,
-        plan=cfg.tp_plan,
-        sequence_parallel=False,
-        tp_size=tp_size,
-        model_plan=model_tp_plan,
-        finalize=finalize_tp_plan,
+def apply_expert_parallel(model: nn.Module, mesh_context: MeshContext) -> None:
+    """Shard every experts module ``Shard(0)`` on the ep mesh and route its tokens by all-to-all."""
+    for block in check_expert_parallel(model, mesh_context):
+        parallelize_module(block.experts, mesh_context.ep_mesh(), ExpertParallel())
+
+
+def save_moe_routing(model: nn.Module, mesh_context: MeshContext) -> int:
+    """After activation checkpointing: save the routers' ops, never recompute them (``ignore_router_for_ac``).
+
+    Returns:
+        The number of checkpoint wrappers rewired (0 at ep 1 or with the option off).
+    """
+    moe_cfg = mesh_context.moe_config
+    if mesh_context.ep_size == 1 or moe_cfg is None or not moe_cfg.ignore_router_for_ac:
+        return 0
+    blocks = find_moe_blocks(model, mesh_context.ep_size)
+    routers = [b.router for b in blocks if b.router is not None]
+    return save_routing_under_checkpoint(
+        model, routers, selective=mesh_context.activation_checkpointing == "selective"
     )
-    validate_moe_tp_plan(model, plan, blocks)
-    return plan
+
+
+def moe_reshard_after_forward(mesh_context: MeshContext) -> bool | None:
+    """``MoEConfig.reshard_after_forward`` where the user set one (ep > 1), else ``FSDP2Config``'s."""
+    moe_cfg = mesh_context.moe_config
+    if mesh_context.ep_size > 1 and moe_cfg is not None and moe_cfg.reshard_after_forward is not None:
+        return moe_cfg.reshard_after_forward
+    return getattr(mesh_context.strategy_config, "reshard_after_forward", None)
+
+
+def _saves_ops_in_layers(mesh_context: MeshContext) -> bool:
+    """Whether the layers run under torch's selective checkpoint (selective mode, or routing saved)."""
+    moe_cfg, mode = mesh_context.moe_config, mesh_context.activation_checkpointing
+    return mode == "selective" or bool(mode and moe_cfg is not None and moe_cfg.ignore_router_for_ac)
+
+
+def _experts_reshard_after_forward(mesh_context: MeshContext) -> bool | None:
+    # Selective checkpointing replays the forward's ops by index; an experts unit resharded after
+    # forward all-gathers again inside the recompute, so the op sequences differ (torch raises
+    # "invocation index ... not found in storage"): keep it unsharded.
+    return False if _saves_ops_in_layers(mesh_context) else moe_reshard_after_forward(mesh_context)
 
 
 def _experts_placement(ep_shard: int, local_experts: int) -> Callable[[nn.Parameter], Shard]:
@@ -119,30 +184,32 @@ def _experts_placement(ep_shard: int, local_experts: int) -> Callable[[nn.Parame
     return lambda param: Shard(dim)
 
 
-def _shard_experts(
-    blocks: list[MoEBlockInfo],
-    ctx: MeshContext,
-    moe_cfg: MoEConfig,
-    mp_policy: MixedPrecisionPolicy,
-    offload_policy: OffloadPolicy,
-    shard_fn: ShardFn,
-) -> None:
-    ep_shard_mesh = ctx.ep_shard_mesh()
-    factor = float(ctx.moe_mesh.size())
+def shard_experts(model: nn.Module, mesh_context: MeshContext, shard_fn: ShardFn) -> None:
+    """Give every experts module its own FSDP unit on the ``ep_shard`` mesh (before the layer units).
+
+    Mixed precision: ``MoEConfig.mp_policy``, else the strategy's. Raises TypeError when ``shard_fn``
+    (the sidecar's ``_fully_shard_module``) does not return an FSDP module.
+    """
+    if mesh_context.ep_size == 1:
+        return
+    cfg, moe_cfg = mesh_context.strategy_config, mesh_context.moe_config
+    ep_shard_mesh = mesh_context.ep_shard_mesh()
+    factor = float(mesh_context.moe_mesh.size())
     # A custom divide factor reduce-scatters with PREMUL_SUM, which only NCCL has; elsewhere sum, then
     # divide. (On one rank FSDP skips the collective and divides by the factor itself.)
     force_sum = ep_shard_mesh.size() > 1 and not (
         ep_shard_mesh.device_type == "cuda" and "nccl" in str(dist.get_backend(ep_shard_mesh.get_group()))
     )
-    for block in blocks:
-        local = block.num_experts // ctx.ep_size
+    for block in find_moe_blocks(model, mesh_context.ep_size):
         unit = shard_fn(
             block.experts,
             mesh=ep_shard_mesh,
-            reshard_after_forward=moe_cfg.reshard_after_forward,
-            mp_policy=mp_policy,
-            offload_policy=offload_policy,
-            shard_placement_fn=_experts_placement(ep_shard_mesh.size(), local),
+            reshard_after_forward=_experts_reshard_after_forward(mesh_context),
+            mp_policy=moe_cfg.mp_policy or cfg.mp_policy or MixedPrecisionPolicy(),
+            offload_policy=cfg.offload_policy or OffloadPolicy(),
+            shard_placement_fn=_experts_placement(
+                ep_shard_mesh.size(), block.num_experts // mesh_context.ep_size
+            ),
         )
         unit = unit if isinstance(unit, nn.Module) else block.experts
         if not isinstance(unit, FSDPModule):
@@ -155,151 +222,49 @@ def _shard_experts(
             unit.set_force_sum_reduction_for_comms(True)
 
 
-def _shard_lm_head(model: nn.Module, moe_cfg: MoEConfig, mesh: DeviceMesh, shard_fn: ShardFn) -> None:
+def _output_head(model: nn.Module) -> tuple[nn.Module | None, bool]:
+    """The output head (None without one) and whether it shares its weight with the input embeddings."""
     head_getter = getattr(model, "get_output_embeddings", None)
     head = head_getter() if callable(head_getter) else None
-    if moe_cfg.lm_head_precision is None or head is None or isinstance(head, FSDPModule):
-        return
     embed_getter = getattr(model, "get_input_embeddings", None)
     embed = embed_getter() if callable(embed_getter) else None
-    if embed is not None and getattr(embed, "weight", None) is getattr(head, "weight", None):
-        warnings.warn(
-            f"MoEConfig.lm_head_precision={moe_cfg.lm_head_precision} is ignored: the output head is tied to "
-            "the input embeddings, which stay in one FSDP unit",
-            UserWarning,
-            stacklevel=3,
-        )
+    tied = (
+        head is not None
+        and embed is not None
+        and getattr(embed, "weight", None) is getattr(head, "weight", 0)
+    )
+    return head, tied
+
+
+def shard_moe_lm_head(model: nn.Module, mesh_context: MeshContext, shard_fn: ShardFn) -> None:
+    """Put the output head in its own unit computing in ``MoEConfig.lm_head_precision`` (if set)."""
+    moe_cfg = mesh_context.moe_config
+    if mesh_context.ep_size == 1 or moe_cfg is None or moe_cfg.lm_head_precision is None:
+        return
+    head, _ = _output_head(model)
+    if head is None or isinstance(head, FSDPModule):
         return
     dtype = moe_cfg.lm_head_precision
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, output_dtype=dtype)
-    shard_fn(head, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    shard_fn(head, mesh=mesh_context.fsdp_mesh(), reshard_after_forward=False, mp_policy=policy)
 
 
-def _shard_top(
-    model: nn.Module,
-    moe_cfg: MoEConfig,
-    mesh: DeviceMesh,
-    mp_policy: MixedPrecisionPolicy,
-    offload_policy: OffloadPolicy,
-    shard_fn: ShardFn,
-) -> nn.Module:
-    if moe_cfg.wrap_outer_model:
-        return fully_shard_root(
-            model, mesh, mp_policy=mp_policy, offload_policy=offload_policy, shard_fn=shard_fn
-        )
+def shard_top_children(model: nn.Module, mesh_context: MeshContext, shard_fn: ShardFn) -> nn.Module:
+    """``MoEConfig.wrap_outer_model=False``: one unit per top-level child with parameters, no root unit."""
+    cfg = mesh_context.strategy_config
     for child in model.children():
         if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
             shard_fn(
                 child,
-                mesh=mesh,
+                mesh=mesh_context.fsdp_mesh(),
                 reshard_after_forward=False,
-                mp_policy=mp_policy,
-                offload_policy=offload_policy,
+                mp_policy=cfg.mp_policy or MixedPrecisionPolicy(),
+                offload_policy=cfg.offload_policy or OffloadPolicy(),
             )
     return model
 
 
-def parallelize_moe(
-    model: nn.Module,
-    device_mesh: DeviceMesh,
-    moe_mesh: DeviceMesh,
-    *,
-    strategy_config: FSDP2Config | None = None,
-    moe_config: MoEConfig | None = None,
-    activation_checkpointing: ActivationCheckpointing = False,
-    reapply_trainability: Callable[[nn.Module], None] | None = None,
-    model_tp_plan: Any = None,
-    finalize_tp_plan: Callable[..., Any] | None = None,
-    validate_tp: Callable[[nn.Module, DeviceMesh], None] | None = None,
-    layer_group_paths: Any = None,
-    whole_layer_checkpointing: bool = False,
-    shard_fn: ShardFn = fully_shard,
-) -> nn.Module:
-    """Parallelize a MoE model in place: TP -> EP -> AC -> ``reapply_trainability`` -> FSDP.
-
-    Args:
-        model: A model whose MoE blocks have an ``experts`` child following the experts contract
-            (stacked parameters, dim 0 = expert) and a ``router`` or ``gate`` child.
-        device_mesh: The dense FSDP2 root mesh ``(pp, dp_replicate, dp_shard, cp, tp)`` (any subset).
-        moe_mesh: The ``(ep_shard, ep)`` mesh (:func:`plait.mesh.build_moe_mesh`).
-        strategy_config: The :class:`FSDP2Config` (TP plan, AC scope, offload, prefetch); default ``FSDP2Config()``.
-        moe_config: :class:`MoEConfig`; default ``MoEConfig()``. Its ``mp_policy`` (falling back to the
-            strategy config's) applies to every unit; ``reshard_after_forward`` to the layer and expert units.
-        activation_checkpointing: False, True / ``"full"`` or ``"selective"``.
-        reapply_trainability: Called after TP/EP/AC wrapping, before FSDP, to restore ``requires_grad``.
-        model_tp_plan: The sidecar's TP plan factory (``resolve_tp_plan``'s ``model_plan``).
-        finalize_tp_plan: The sidecar's ``_finalize_tp_plan`` hook.
-        validate_tp: The sidecar's ``_validate_tp_mesh`` hook; default :func:`plait.tp.validate_tp_mesh`.
-        layer_group_paths: The sidecar's ``layer_group_paths`` for activation checkpointing.
-        whole_layer_checkpointing: Checkpoint whole layers instead of per submodule (full mode).
-        shard_fn: The FSDP primitive, called like ``fully_shard`` (the sidecar's ``_fully_shard_module``).
-
-    Returns:
-        The parallelized model (the root FSDP module).
-
-    Raises:
-        ValueError: before any collective — no experts found, ``num_experts % ep``, ep vs ``dp*cp*tp``,
-            a TP plan touching experts/routers/gates, sequence parallel or async TP, head counts vs tp.
-    """
-    cfg = strategy_config if strategy_config is not None else FSDP2Config()
-    moe_cfg = moe_config if moe_config is not None else MoEConfig()
-    ac_mode = normalize_activation_checkpointing(activation_checkpointing)
-    ep, _ = _check_meshes(device_mesh, moe_mesh)
-    blocks = find_moe_blocks(model, ep)
-    tp_size = _dim(device_mesh, "tp")
-    if cfg.sequence_parallel or cfg.enable_async_tensor_parallel:
-        raise ValueError(
-            f"MoE models do not support sequence_parallel={cfg.sequence_parallel} / "
-            f"enable_async_tensor_parallel={cfg.enable_async_tensor_parallel}: the MoE block expects "
-            "replicated activations; set both to False"
-        )
-    plan = None
-    if tp_size > 1:
-        (validate_tp or validate_tp_mesh)(model, device_mesh["tp"])
-        plan = _resolve_plan(model, cfg, tp_size, blocks, model_tp_plan, finalize_tp_plan)
-    groups = discover_layer_groups(model, layer_group_paths) if ac_mode else []
-    if not moe_cfg.wrap_outer_model and any(True for _ in model.parameters(recurse=False)):
-        raise ValueError(
-            f"MoEConfig.wrap_outer_model=False, but {type(model).__name__} owns parameters directly; they "
-            "would never be sharded or synchronised — set wrap_outer_model=True"
-        )
-    guard_tied_embeddings(model)
-
-    ctx = MeshContext.from_meshes(device_mesh, moe_mesh, strategy_config=cfg, moe_config=moe_cfg)
-    if plan:
-        apply_tp(model, ctx.tp_mesh(), plan)
-    for block in blocks:
-        parallelize_module(block.experts, ctx.ep_mesh(), ExpertParallel())
-    if ac_mode:
-        apply_activation_checkpointing(
-            model,
-            groups,
-            mode=ac_mode,
-            scope=cfg.activation_checkpointing_scope,
-            whole_layer=whole_layer_checkpointing,
-        )
-        if moe_cfg.ignore_router_for_ac:
-            routers = [b.router for b in blocks if b.router is not None]
-            save_routing_under_checkpoint(model, routers, selective=ac_mode == "selective")
-    if reapply_trainability is not None:
-        reapply_trainability(model)
-
-    mp_policy = moe_cfg.mp_policy or cfg.mp_policy or MixedPrecisionPolicy()
-    offload_policy = cfg.offload_policy or OffloadPolicy()
-    fsdp_mesh = ctx.fsdp_mesh()
-    _shard_experts(blocks, ctx, moe_cfg, mp_policy, offload_policy, shard_fn)
-    apply_fsdp_sharding(
-        model,
-        fsdp_mesh,
-        mp_policy=mp_policy,
-        offload_policy=offload_policy,
-        reshard_after_forward=moe_cfg.reshard_after_forward,
-        enable_prefetch=cfg.enable_fsdp2_prefetch,
-        forward_prefetch_depth=cfg.fsdp2_forward_prefetch_depth,
-        backward_prefetch_depth=cfg.fsdp2_backward_prefetch_depth,
-        frozen_multimodal_sharding=cfg.frozen_multimodal_sharding,
-        shard_fn=shard_fn,
-        pipeline_parallel=ctx.pp_size > 1,
-    )
-    _shard_lm_head(model, moe_cfg, fsdp_mesh, shard_fn)
-    return _shard_top(model, moe_cfg, fsdp_mesh, mp_policy, offload_policy, shard_fn)
+def wraps_root(mesh_context: MeshContext) -> bool:
+    """Whether the flow wraps the whole model as the root unit (``MoEConfig.wrap_outer_model``)."""
+    moe_cfg = mesh_context.moe_config
+    return mesh_context.ep_size == 1 or moe_cfg is None or moe_cfg.wrap_outer_model
