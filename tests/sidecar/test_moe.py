@@ -25,14 +25,13 @@ from tests.sidecar._routing_margin import Margins, record_routing_margins
 
 VOCAB = 64
 SKEWED = MoEDecoderConfig(vocab_size=VOCAB, num_experts=8, zero_token_experts=(1, 2, 6))
-SKEWED_SEED = 55
-"""Init seed whose routing keeps a >= 2.3e-3 relative top-k margin over all 6 steps (``margin_scan``)."""
+SKEWED_SEED = 17
+"""Init seed whose routing keeps a >= 1.3e-3 relative top-k margin over all 6 steps (tools/moe_margin_scan.py)."""
 # Top-1 with renormalised weights gives the router a constant weight of 1, so its gradient is pure
 # rounding noise that AdamW amplifies into different routing: keep the softmax weight (no renorm).
 ONE_LOCAL = MoEDecoderConfig(vocab_size=VOCAB, num_experts=2, num_experts_per_tok=1, norm_topk_prob=False)
-ONE_LOCAL_SEED = 1
-AC_CFG = MoEDecoderConfig(vocab_size=VOCAB, num_experts=8, zero_token_experts=(1, 6))
-AC_SEED = 6
+ONE_LOCAL_SEED = 9
+
 _FP32 = FSDP2Config(mp_policy=None)
 _TP_PLAN = {
     "model.layers.*.self_attn.q_proj": "colwise",
@@ -173,8 +172,8 @@ def _perturb_routing(model: nn.Module, blocked: tuple[int, ...]) -> None:
 
 
 def _routing_saved_under_ac(mode: str) -> tuple[int, float, str, Margins]:
-    torch.manual_seed(AC_SEED)
-    ref = MoEDecoder(AC_CFG)
+    torch.manual_seed(SKEWED_SEED)
+    ref = MoEDecoder(SKEWED)
     margins = record_routing_margins(ref)
     par = parallelize_model(
         copy.deepcopy(ref), _ctx(ParallelismSizes(ep_size=2), activation_checkpointing=mode)
