@@ -79,5 +79,7 @@ def tiny_config(model_type: str, tp: int) -> Any:
 
     fields = {**COMMON, **HEADS[tp], **OVERRIDES.get(model_type, {})}
     config = AutoConfig.for_model(model_type, **fields)
+    if getattr(config, "kv_lora_rank", None):  # latent attention: keys/values come per query head
+        config.num_key_value_heads = config.num_attention_heads
     config._attn_implementation = "eager"
     return config

@@ -15,6 +15,7 @@ from plait.tp.sequence import (
     GatherSequenceInput,
     RotaryEmbeddingParallel,
     SequenceParallelAllGather,
+    SequenceParallelBlock,
     SequenceParallelNorm,
 )
 from plait.tp.styles import REFUSED_STYLES, loss_parallel_head, parse_style
@@ -30,6 +31,7 @@ __all__ = [
     "ReplicatedWithGradAllReduce",
     "RotaryEmbeddingParallel",
     "SequenceParallelAllGather",
+    "SequenceParallelBlock",
     "SequenceParallelNorm",
     "ShardedRegion",
     "VocabParallelEmbedding",

@@ -18,7 +18,7 @@ from plait.tp.embedding import VocabParallelEmbedding
 from plait.tp.experts import PARAM_STYLES, ExpertsTensorParallel, LocalParamsParallel, MlaKvAProjParallel
 from plait.tp.registry import register_tp_plan
 from plait.tp.replicate import ReplicatedWithGradAllReduce, ReplicateParallel
-from plait.tp.sequence import SequenceParallelAllGather, SequenceParallelNorm
+from plait.tp.sequence import SequenceParallelAllGather, SequenceParallelBlock, SequenceParallelNorm
 from plait.tp.styles import REFUSED_STYLES, loss_parallel_head, parse_style
 
 __all__ = ["hf_tp_plan", "is_remote_code_model"]
@@ -149,6 +149,25 @@ def _translate_all(model: nn.Module, raw: dict[str, Any], head: str | None) -> d
     return plan
 
 
+_SEQUENCE_READY = (ColwiseParallel, RowwiseParallel, ReplicatedWithGradAllReduce)
+
+
+def _block(key: str, layers: str) -> str:
+    return key[len(layers) :].split(".", 1)[0]
+
+
+def _whole_sequence_blocks(plan: dict[str, ParallelStyle], layers: str) -> set[str]:
+    """Layer children (``mlp``, ``self_attn``) holding an entry that cannot take a sequence-sharded input.
+
+    Such a block (fused experts, latent attention, local parameters) runs on the gathered sequence.
+    """
+    blocks = set()
+    for key, style in plan.items():
+        if key.startswith(layers) and "." in key[len(layers) :] and type(style) not in _SEQUENCE_READY:
+            blocks.add(_block(key, layers))
+    return {b for b in blocks if f"{layers}{b}" not in plan}
+
+
 def _sequence_parallel(
     model: nn.Module, plan: dict[str, ParallelStyle], head: str | None
 ) -> dict[str, ParallelStyle]:
@@ -162,12 +181,15 @@ def _sequence_parallel(
     base_fqn, base = decoder
     prefix = f"{base_fqn}." if base_fqn else ""
     layers = f"{prefix}layers.*."
+    whole = _whole_sequence_blocks(plan, layers)
     out: dict[str, ParallelStyle] = {}
     for key, style in plan.items():
         if key == head:
             out[key] = loss_parallel_head(sequence_parallel=True)
         elif isinstance(style, VocabParallelEmbedding) and key == f"{prefix}embed_tokens":
             out[key] = VocabParallelEmbedding(output_layouts=Shard(1), use_local_output=False)
+        elif key.startswith(layers) and _block(key, layers) in whole:
+            out[key] = style  # the block runs on the whole sequence, as without SP
         elif key.startswith(layers) and type(style) is ColwiseParallel:
             # Sharded or gathered output alike: a Shard(1) DTensor input (the residual stream) is
             # all-gathered by the style itself, a plain one is whole already.
@@ -183,6 +205,8 @@ def _sequence_parallel(
                 f"cannot combine sequence_parallel with the Hugging Face TP plan entry {key!r} "
                 f"({type(style).__name__}) of {_family(model)}; set sequence_parallel=False or pass tp_plan="
             )
+    for block in sorted(whole):
+        out[f"{layers}{block}"] = SequenceParallelBlock()
     norms = _add_norms(out, base_fqn, base, sequence_parallel=True)
     final = f"{prefix}norm"
     if head not in out and isinstance(norms.get(final), SequenceParallelNorm):

@@ -18,6 +18,7 @@ __all__ = [
     "GatherSequenceInput",
     "RotaryEmbeddingParallel",
     "SequenceParallelAllGather",
+    "SequenceParallelBlock",
     "SequenceParallelNorm",
 ]
 
@@ -127,3 +128,54 @@ def _rotary_pre_hook(
 
 def _rotary_post_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
     return _to_full(output)
+
+
+class SequenceParallelBlock(ParallelStyle):
+    """Run a whole block (attention or MLP) on the full sequence inside a sequence-parallel model.
+
+    For blocks whose inner styles cannot take a sequence-sharded input (fused experts, latent
+    attention): the ``Shard(1)`` hidden states (first positional argument, else ``hidden_states``)
+    are all-gathered into a plain tensor, the block runs as under TP without SP (its output whole
+    on every rank), and the output (or the first element of a tuple output) is handed back as a
+    ``Shard(1)`` DTensor: this rank's sequence slice, all-gathered again in backward.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        check_1d(self, device_mesh)
+        module.register_forward_pre_hook(partial(_block_pre_hook, device_mesh), with_kwargs=True)
+        module.register_forward_hook(partial(_block_post_hook, device_mesh))
+        return module
+
+
+def _whole(value: Any, mesh: DeviceMesh) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if not isinstance(value, DTensor):
+        value = DTensor.from_local(value, mesh, (Shard(1),), run_check=False)
+    return value.redistribute(mesh, (Replicate(),)).to_local()
+
+
+def _block_pre_hook(
+    mesh: DeviceMesh, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if args:
+        return (_whole(args[0], mesh), *args[1:]), kwargs
+    if "hidden_states" in kwargs:
+        return args, {**kwargs, "hidden_states": _whole(kwargs["hidden_states"], mesh)}
+    raise ValueError(
+        f"{type(module).__name__} was called with neither a positional input nor `hidden_states`; "
+        "SequenceParallelBlock cannot find the hidden states to gather"
+    )
+
+
+def _block_post_hook(mesh: DeviceMesh, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    def scatter(value: torch.Tensor) -> DTensor:
+        return DTensor.from_local(value, mesh, (Replicate(),), run_check=False).redistribute(
+            mesh, (Shard(1),)
+        )
+
+    if isinstance(output, torch.Tensor):
+        return scatter(output)
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return (scatter(output[0]), *output[1:])
+    raise TypeError(f"SequenceParallelBlock expects {type(module).__name__} to return a tensor or a tuple")
