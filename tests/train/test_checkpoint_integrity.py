@@ -14,7 +14,7 @@ from plait.train.checkpoint import Checkpointer, CheckpointError, verify_checkpo
 from plait.train.compat import mismatch
 from plait.train.recipes import load_recipe
 from plait.train.runlock import RunLock
-from tests.train._ckpt_jobs import SMALL, train
+from tests.train._ckpt_jobs import SMALL, losses, train
 
 TWO_SAVES = ["train.steps=4", "checkpoint.every=2", "checkpoint.keep=3"]
 
@@ -189,3 +189,19 @@ def test_a_second_job_on_the_same_run_directory_is_refused(tmp_path: Path):
         holder.release()
     assert "is in use by another job (pid" in refused["error"] and "\n" not in refused["error"]
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
+
+
+def test_an_async_save_holds_the_step_it_was_taken_at(saved: Path, tmp_path: Path):
+    """The async run's step-2 checkpoint, resumed, continues exactly like the synchronous run."""
+    async_dir = tmp_path / "async"
+    (result, _) = run_on_ranks(train, 2, str(async_dir), [*TWO_SAVES, "checkpoint.async_save=true"])
+    assert result["error"] is None, result["error"]
+    root = async_dir / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004"]
+    assert all(verify_checkpoint(p)[1] is None for p in root.iterdir())
+    resumed = tmp_path / "resumed"
+    shutil.copytree(root / "step_00000002", resumed / "checkpoints" / "step_00000002")
+    (again, _) = run_on_ranks(train, 2, str(resumed), ["train.steps=4", "checkpoint.every=0"])
+    assert again["error"] is None and sorted(again["samples"]) == [3, 4]
+    want, got = losses(saved), losses(resumed)
+    assert [got[s] for s in (3, 4)] == pytest.approx([want[s] for s in (3, 4)], abs=1e-6)
