@@ -54,3 +54,37 @@ def test_resume_at_another_mesh_matches_an_uninterrupted_run_there(saved, mesh: 
     assert sorted(got) == [4, 5, 6]
     for step in (4, 5, 6):
         assert got[step] == pytest.approx(want[step], abs=1e-5), (step, got, want)
+
+
+HSDP_TO_FSDP = (
+    4,
+    ["parallel.dp_replicate_size=2", "parallel.tp_size=1", "data.micro_batch_size=1"],
+    2,
+    ["parallel.tp_size=1", "data.micro_batch_size=2"],
+)
+EP_TO_ONE = (
+    2,
+    ["model.source=moe", "parallel.ep_size=2", "parallel.tp_size=1", "data.micro_batch_size=2"],
+    1,
+    ["model.source=moe", "parallel.tp_size=1", "data.micro_batch_size=2", "train.grad_accum=2"],
+)
+
+
+@pytest.mark.parametrize(
+    ("saved_world", "saved_at", "world", "resumed_at"), [HSDP_TO_FSDP, EP_TO_ONE], ids=["hsdp", "ep"]
+)
+def test_hsdp_and_expert_parallel_checkpoints_resume_elsewhere(
+    saved_world: int, saved_at: list[str], world: int, resumed_at: list[str], tmp_path: Path
+):
+    common = ["train.steps=4", "checkpoint.every=2"]
+    old = _one(run_on_ranks(train, saved_world, str(tmp_path / "saved"), [*saved_at, *common]))
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(
+        tmp_path / "saved" / "checkpoints" / "step_00000002", resumed_dir / "checkpoints" / "step_00000002"
+    )
+    resumed = _one(run_on_ranks(train, world, str(resumed_dir), [*resumed_at, *common]))
+    reference = _one(run_on_ranks(train, world, str(tmp_path / "reference"), [*resumed_at, *common]))
+    assert {**{s: old["samples"][s] for s in (1, 2)}, **resumed["samples"]} == reference["samples"]
+    got, want = losses(resumed_dir), losses(tmp_path / "reference")
+    assert sorted(got) == [3, 4]
+    assert [got[s] for s in (3, 4)] == pytest.approx([want[s] for s in (3, 4)], abs=1e-5)
