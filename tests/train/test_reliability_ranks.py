@@ -94,9 +94,12 @@ def test_an_error_on_one_rank_is_its_line_on_every_rank_and_never_restarted(tmp_
 def test_sigterm_saves_a_complete_checkpoint_at_the_current_step(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = _start([*LONG, f"out_dir={run_dir}"])
-    _wait_for_step(run_dir, proc, 2)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _wait_for_step(run_dir, proc, 2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
     assert proc.returncode == 128 + 15, err[-3000:]
     last = _train_steps(run_dir)[-1]
     lines = [line for line in err.splitlines() if line.startswith("plait-train: stopped by SIGTERM at step")]
@@ -111,15 +114,21 @@ def test_sigterm_saves_a_complete_checkpoint_at_the_current_step(tmp_path: Path)
 def test_a_killed_launcher_leaves_no_rank_alive(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = _start([*LONG, f"out_dir={run_dir}"])
-    _wait_for_step(run_dir, proc, 1)
-    ranks = _children(proc.pid)
-    assert len(ranks) == 2, ranks
-    proc.kill()
-    proc.wait()
-    deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(_alive(pid) for pid in ranks), "a rank outlived its launcher by 10 s"
+    ranks: list[int] = []
+    try:
+        _wait_for_step(run_dir, proc, 1)
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2, ranks
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(pid) for pid in ranks), "a rank outlived its launcher by 10 s"
+    finally:
+        proc.kill()
+        for pid in filter(_alive, ranks):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_the_working_directory_is_never_importable(tmp_path: Path) -> None:
