@@ -85,7 +85,8 @@ def test_an_error_on_one_rank_is_its_line_on_every_rank_and_never_restarted(tmp_
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("plait-train: error: ")]
     assert len(lines) == 2, proc.stderr[-3000:]
-    assert all(f"{blocker}/run: Not a directory;" in line for line in lines)
+    assert all(f"{blocker}/run" in line and ": Not a directory;" in line for line in lines), lines
+    assert lines[0].split(" (on rank 0)")[0] == lines[1].split(" (on rank 0)")[0]
     assert sum(line.endswith("(on rank 0)") for line in lines) == 1
     assert "a user error is not retried; 0 restart(s) made" in proc.stderr
     assert "Traceback" not in proc.stderr and "restart 1" not in proc.stderr
