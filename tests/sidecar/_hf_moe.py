@@ -24,7 +24,8 @@ from plait.sidecar import parallelize_model
 from plait.testing.parity import clean_fqn, full_tensor
 from tests.sidecar._routing_margin import Margins, record_routing_margins
 
-VOCAB, SEQ, ROWS_PER_RANK = 64, 8, 2
+VOCAB, SEQ, ROWS = 64, 8, 8
+"""ROWS: the global batch, the same for every layout (each data-parallel rank takes ROWS / dp rows)."""
 SGD_LR = 0.5
 _COMMON = {
     "vocab_size": VOCAB,
@@ -167,13 +168,13 @@ class HFResult:
         assert abs(self.held_ratio - 1.0) <= 0.02, self
 
 
-def reference_margin(family: str, seed: int, world: int = 4) -> float:
+def reference_margin(family: str, seed: int) -> float:
     """One process: the reference's smallest router margin over :func:`hf_parity`'s two SGD steps."""
     model = build(family, seed)
     margins = record_routing_margins(model)
     opt = torch.optim.SGD(model.parameters(), lr=SGD_LR)
     for step in range(2):
-        _loss(model, _batch(step, world * ROWS_PER_RANK))[0].backward()
+        _loss(model, _batch(step, ROWS))[0].backward()
         opt.step()
         opt.zero_grad()
     return margins.smallest
@@ -196,8 +197,8 @@ def hf_parity(family: str, layout: str, seed: int | None = None) -> HFResult:
     result.same_keys = [clean_fqn(k) for k in par.state_dict()] == keys
     opts = [torch.optim.SGD(m.parameters(), lr=SGD_LR) for m in (ref, par)]
     for step in range(2):
-        batch = _batch(step, dp * ROWS_PER_RANK)
-        rows = batch[dp_rank * ROWS_PER_RANK : (dp_rank + 1) * ROWS_PER_RANK]
+        batch, per_rank = _batch(step, ROWS), ROWS // dp
+        rows = batch[dp_rank * per_rank : (dp_rank + 1) * per_rank]
         (ref_loss, _), (par_loss, par_aux) = _loss(ref, batch), _loss(par, rows)
         ref_loss.backward()
         par_loss.backward()

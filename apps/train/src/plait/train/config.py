@@ -16,6 +16,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from plait.mesh import MoEConfig
+
 __all__ = [
     "CheckpointConfig",
     "DataConfig",
@@ -83,6 +85,8 @@ class ParallelConfig:
     """Tensor-parallel ranks per model replica."""
     ep_size: int = 1
     """Expert-parallel ranks (MoE models only)."""
+    moe: dict[str, Any] = field(default_factory=dict)
+    """`MoEConfig` fields (ep_size > 1), e.g. `reshard_after_forward: false`, `lm_head_precision: float32`."""
     cp_size: int = 1
     """Context-parallel ranks: each sequence is split over them (fsdp2; data.seq_len a multiple of 2*cp_size)."""
     sequence_parallel: bool = True
@@ -106,6 +110,12 @@ class ParallelConfig:
         )
         if self.dp_size not in (None, -1):
             _positive("parallel", dp_size=self.dp_size)
+        if self.moe:
+            if self.ep_size == 1:
+                raise ValueError(
+                    f"parallel.moe {self.moe} is only read with parallel.ep_size > 1, got ep_size 1"
+                )
+            MoEConfig.from_dict(self.moe)  # unknown keys / wrong types fail here, at load
 
 
 @dataclass(kw_only=True)

@@ -83,9 +83,10 @@ def check_recipe(recipe: Recipe, world_size: int, *, devices: bool = True) -> St
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan_meshes(config, parallelism_sizes(recipe), world_size=world_size)
-    if recipe.parallel.ep_size > 1 and recipe.model.source != "moe":
+    if recipe.parallel.ep_size > 1 and recipe.model.source not in ("moe", "hf"):
         raise ValueError(
-            f"parallel.ep_size {recipe.parallel.ep_size} needs an MoE model (model.source: moe), "
+            f"parallel.ep_size {recipe.parallel.ep_size} needs an MoE model (model.source: moe or an hf MoE "
+            "class), "
             f"got model.source {recipe.model.source!r}"
         )
     cp = recipe.parallel.cp_size
@@ -115,7 +116,7 @@ def build_mesh_context(
         config,
         parallelism_sizes(recipe),
         world_size=world_size,
-        moe_config=MoEConfig() if p.ep_size > 1 else None,
+        moe_config=MoEConfig.from_dict(p.moe) if p.ep_size > 1 else None,
         activation_checkpointing=p.activation_checkpointing,
         reapply_trainability=freeze_vision_tower if freeze else None,
     )
