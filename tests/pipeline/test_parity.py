@@ -23,17 +23,15 @@ def _cases(cases: list[tuple]) -> list[PipeParity]:
 def test_two_stages_every_schedule_family_dense_llama_moe() -> None:
     pp2 = ParallelismSizes(pp_size=2)
     cases = [
-        ("dense 1f1b", "dense", 4, pp2, PipelineConfig(schedule="1f1b")),
-        ("dense gpipe", "dense", 4, pp2, PipelineConfig(schedule="gpipe", layers_per_stage=(1, 3))),
+        ("dense 1f1b", "dense", 4, pp2, PipelineConfig(schedule="1f1b", layers_per_stage=(1, 3))),
         ("dense interleaved_1f1b", "dense", 4, pp2, PipelineConfig(schedule="interleaved_1f1b")),
         ("dense zbv_zero_bubble", "dense", 4, pp2, PipelineConfig(schedule="zbv_zero_bubble")),
         ("llama 1f1b", "llama", 4, pp2, PipelineConfig(schedule="1f1b", microbatches=4)),
-        ("llama interleaved_1f1b", "llama", 4, pp2, PipelineConfig(schedule="interleaved_1f1b")),
-        ("moe 1f1b", "moe", 4, pp2, PipelineConfig(schedule="1f1b")),
+        ("moe gpipe", "moe", 4, pp2, PipelineConfig(schedule="gpipe")),
     ]
     results = run_on_ranks(_cases, 2, cases, timeout=600)
     assert_pipe_parity(results)
-    assert [r.stage_indices for r in results[0]] == [[0], [0], [0, 2], [0, 3], [0], [0, 2], [0]]
+    assert [r.stage_indices for r in results[0]] == [[0], [0, 2], [0, 3], [0], [0]]
     for i, case in enumerate(cases):
         total = len(list(build(case[1], case[2]).parameters()))
         assert results[0][i].compared + results[1][i].compared == total, case[0]

@@ -8,7 +8,7 @@ from torch import nn
 
 from plait.models import VLM, DecoderConfig, DenseDecoder, VLMConfig
 from plait.pipeline import PipelineConfig, find_decoder_parts, plan_stages
-from plait.pipeline.split import build_stage_module, check_untied_across_stages
+from plait.pipeline.split import PrunedModule, StageUnion, build_stage_module, check_untied_across_stages
 from tests.pipeline._parity import build
 
 
@@ -33,9 +33,11 @@ def test_stages_chain_to_the_full_forward_with_the_full_models_keys(kind: str) -
     torch.testing.assert_close(h, expected, rtol=0, atol=0)
     keys = [k for stage in stages for k in stage.state_dict()]
     assert sorted(keys) == sorted(model.state_dict())  # each key on exactly one stage
+    union = StageUnion(stages, find_decoder_parts(model))
+    assert sorted(union.state_dict()) == sorted(model.state_dict())
     first, *_, last = stages
-    assert isinstance(last.get_submodule(find_decoder_parts(model).embedding), nn.Identity)
-    assert isinstance(first.get_submodule("lm_head"), nn.Identity)
+    assert isinstance(last.get_submodule(find_decoder_parts(model).embedding), PrunedModule)
+    assert isinstance(first.get_submodule("lm_head"), PrunedModule)
     assert all(p is dict(model.named_parameters())[n] for s in stages for n, p in s.named_parameters())
 
 

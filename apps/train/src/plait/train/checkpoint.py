@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -171,8 +172,17 @@ def _load_rng(path: Path) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+"""Optimizer entries keyed by parameter FQN (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``).
+Unflattened, ``param_groups.0`` of ranks holding different parameters (pipeline stages) collide in
+the checkpoint and a rank loads another rank's groups."""
+
+
 def _states(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    return {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS),
+    }
 
 
 def verify_checkpoint(path: str | Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -378,7 +388,7 @@ class Checkpointer:
             )
         dcp.load(states, checkpoint_id=str(path))
         set_model_state_dict(model, states["model"])
-        set_optimizer_state_dict(model, optimizer, states["optim"])
+        set_optimizer_state_dict(model, optimizer, states["optim"], options=_OPTIM_OPTIONS)
         same_layout = meta.get("layout") == self.layout
         _load_rng(path / _rng_name(_rank() if same_layout else 0))
         return {k: v for k, v in meta.items() if k not in ("layout", "fingerprint")}

@@ -89,6 +89,11 @@ class ParallelConfig:
     """`MoEConfig` fields (ep_size > 1), e.g. `reshard_after_forward: false`, `lm_head_precision: float32`."""
     cp_size: int = 1
     """Context-parallel ranks: each sequence is split over them (fsdp2; data.seq_len a multiple of 2*cp_size)."""
+    pp_size: int = 1
+    """Pipeline stages (ranks along ``pp``); > 1 splits the decoder (see ``pipeline``)."""
+    pipeline: dict[str, Any] = field(default_factory=dict)
+    """With pp_size > 1: ``schedule``, ``microbatches``, ``stages_per_rank``, ``layers_per_stage``
+    (plait.pipeline.PipelineConfig, read strictly)."""
     sequence_parallel: bool = True
     """Shard activations between blocks on the sequence dim (ignored, with a warning, when tp_size is 1)."""
     activation_checkpointing: bool | Literal["full", "selective"] = True
@@ -107,6 +112,7 @@ class ParallelConfig:
             tp_size=self.tp_size,
             ep_size=self.ep_size,
             cp_size=self.cp_size,
+            pp_size=self.pp_size,
         )
         if self.dp_size not in (None, -1):
             _positive("parallel", dp_size=self.dp_size)

@@ -50,6 +50,13 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_st
     return LambdaLR(optimizer, factor)
 
 
-def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float | None) -> torch.Tensor:
-    """:func:`plait.mesh.clip_grad_norm_` (``optim.grad_clip``; None only measures the norm)."""
-    return clip_grad_norm_(parameters, max_norm)
+def clip_grad_norm(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float | None,
+    extra_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """:func:`plait.mesh.clip_grad_norm_` (``optim.grad_clip``; None only measures the norm).
+
+    ``extra_group``: the pipeline's pp group (the stages hold disjoint parameters).
+    """
+    return clip_grad_norm_(parameters, max_norm, extra_group=extra_group)

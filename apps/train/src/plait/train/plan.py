@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from plait.mesh import FSDP2Config, MeshContext
 from plait.train.config import Recipe
+from plait.train.pipelining import build_pipeline, stages_text
 from plait.train.setup import build_mesh_context, build_parallel_model, check_recipe
 from plait.train.summary import (
     describe_mesh,
@@ -208,6 +209,10 @@ def _memory_text(model: nn.Module) -> str:
     return "\n".join(lines)
 
 
+def _no_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    raise AssertionError("plan never runs a step")
+
+
 def plan(recipe: Recipe, world_size: int) -> str:
     """Parallelize the recipe's model on a fake ``world_size``-rank group and report its layout.
 
@@ -225,10 +230,14 @@ def plan(recipe: Recipe, world_size: int) -> str:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         ctx = build_mesh_context(recipe, config, world_size=world_size)
+        stages = None
         if recipe.parallel.strategy == "ddp":
             from plait.train.models import build_model
 
             model = build_model(recipe.model, "meta")
+        elif recipe.parallel.pp_size > 1:  # rank 0's stages in detail, every stage in the table
+            pipe = build_pipeline(recipe, ctx, torch.device("meta"), _no_loss, materialise=False)
+            model, stages = pipe.state_module(), stages_text(recipe, pipe, ctx)
         else:
             model = build_parallel_model(recipe, ctx, torch.device("meta"), materialise=False)
         report = [
@@ -236,6 +245,7 @@ def plan(recipe: Recipe, world_size: int) -> str:
             describe_mesh(ctx, world_size),
             f"model {model_class_name(model)} ({recipe.model.source}, preset {recipe.model.preset})",
             layout_of(model).text(),
+            *([stages] if stages else []),
             _memory_text(model),
             *([_cp_text(model, ctx, recipe)] if ctx.cp_size > 1 else []),
             comm_estimate(model, ctx, recipe, world_size).text(),

@@ -25,6 +25,7 @@ from plait.train.config import Recipe
 from plait.train.errors import phase
 from plait.train.init import clean_fqn, materialize
 from plait.train.models import build_model
+from plait.train.pipelining import check_pipeline_recipe
 from plait.train.pretrained import load_pretrained
 
 __all__ = [
@@ -64,6 +65,7 @@ def parallelism_sizes(recipe: Recipe) -> ParallelismSizes:
         tp_size=p.tp_size,
         ep_size=p.ep_size,
         cp_size=p.cp_size,
+        pp_size=p.pp_size,
     )
 
 
@@ -95,6 +97,7 @@ def check_recipe(recipe: Recipe, world_size: int, *, devices: bool = True) -> St
             f"parallel.cp_size {cp} needs data.seq_len to be a multiple of 2 * cp_size = {2 * cp}, "
             f"got {recipe.data.seq_len}"
         )
+    check_pipeline_recipe(recipe)
     check_vocabulary(recipe, check_data(recipe))
     return config
 

@@ -33,6 +33,7 @@ from plait.mesh import (
     describe_config,
     init_distributed,
 )
+from plait.pipeline import Pipeline
 from plait.train.checkpoint import Checkpointer, step_dir_name
 from plait.train.checks import check_vocabulary
 from plait.train.config import Recipe, to_dict
@@ -52,6 +53,7 @@ from plait.train.lifecycle import RankLifecycle
 from plait.train.metrics import MetricsLogger, flops_per_token, memory_mib, peak_tflops, throughput
 from plait.train.models import hf_logits
 from plait.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from plait.train.pipelining import build_pipeline
 from plait.train.runlock import lock_run_dir
 from plait.train.setup import build_mesh_context, build_parallel_model, check_recipe
 from plait.train.summary import compile_text, describe_mesh, layout_of, model_class_name
@@ -98,7 +100,13 @@ class Trainer:
         self.ckpt_root = self.run_dir / "checkpoints"
         torch.manual_seed(recipe.train.seed)
         self.ctx: MeshContext = build_mesh_context(recipe, config)
-        self.model = build_parallel_model(recipe, self.ctx, self.device)
+        self.pipe: Pipeline | None = None
+        if recipe.parallel.pp_size > 1:  # the local stages; self.model is their state view
+            self._pp_loss_scale = 1.0
+            self.pipe = build_pipeline(recipe, self.ctx, self.device, self._pipeline_loss)
+            self.model = self.pipe.state_module()
+        else:
+            self.model = build_parallel_model(recipe, self.ctx, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, recipe.optim)
         self.scheduler = build_scheduler(self.optimizer, recipe.optim, recipe.train.steps)
@@ -187,6 +195,9 @@ class Trainer:
         scale = self.reduce_size / max(global_tokens, 1.0)
         loss_sum = torch.zeros(1, device=self.device)
         for i, batch in enumerate(batches):
+            if self.pipe is not None:
+                loss_sum += self._pipeline_backward(batch, scale)
+                continue
             with self._gradient_sync(i == len(batches) - 1):
                 logits = self._logits(batch)
                 with _loss_context(logits):
@@ -194,7 +205,8 @@ class Trainer:
                     (token_loss * scale).backward()
             loss_sum += _scalar(token_loss.detach())
         loss = float(self._all_reduce(loss_sum)) / max(global_tokens, 1.0)
-        grad_norm = clip_grad_norm(self.params, self.recipe.optim.grad_clip)
+        pp_group = self.pipe.pp_group if self.pipe is not None else None
+        grad_norm = clip_grad_norm(self.params, self.recipe.optim.grad_clip, extra_group=pp_group)
         check_finite(self.step, loss, float(grad_norm))  # before the step: no NaN weights, no NaN checkpoint
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -215,6 +227,19 @@ class Trainer:
             "mem_mib": memory_mib(self.device),
         }
 
+    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return _token_loss_sum(logits, labels) * self._pp_loss_scale
+
+    def _pipeline_backward(self, batch: dict[str, torch.Tensor], scale: float) -> float:
+        """One micro-batch through the pipeline; return its token-loss sum.
+
+        Each pipeline microbatch back-propagates ``sum * scale * m``; the schedule divides the
+        gradients by ``m``, which leaves ``sum * scale`` per microbatch, as the plain step does.
+        """
+        assert self.pipe is not None
+        self._pp_loss_scale = scale * self.pipe.microbatches
+        return float(self.pipe.step(batch["input_ids"], batch["labels"])) / scale
+
     @torch.no_grad()
     def validate(self) -> float:
         """Mean token loss over the first ``val_batches`` micro-batches of the validation split."""
@@ -224,6 +249,11 @@ class Trainer:
         for j in range(cfg.train.val_batches):
             first = (j * self.dp_size + self.dp_rank) * mbs
             batch = self._batch(val, [(first + i) % len(val) for i in range(mbs)])
+            if self.pipe is not None:
+                self._pp_loss_scale = float(self.pipe.microbatches)  # evaluate's mean -> the token-loss sum
+                totals[0] += float(self.pipe.evaluate(batch["input_ids"], batch["labels"]))
+                totals[1] += float((batch["labels"] != IGNORE_INDEX).sum())
+                continue
             logits = self._logits(batch)
             with _loss_context(logits):
                 totals[0] += _scalar(_token_loss_sum(logits, batch["labels"]))

@@ -28,12 +28,15 @@ def _shard_dims(grad: torch.Tensor) -> tuple[object, tuple[int, ...]]:
     return grad.device_mesh, dims
 
 
-def global_grad_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
+def global_grad_norm(
+    parameters: Iterable[torch.Tensor], extra_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """The L2 norm of all gradients as if unsharded (a plain fp32 scalar on CPU, the same on every rank).
 
     Local squared sums are grouped by ``(mesh, split dims)`` and each group is all-reduced over
     exactly the mesh dims its gradients are sharded on (never over replicas). Every rank must call
-    this with the same parameters (it is a collective over their meshes).
+    this with the same parameters (it is a collective over their meshes). ``extra_group``: ranks
+    holding disjoint parameters (pipeline stages) whose squared sums are added as well.
     """
     groups: dict[tuple[object, tuple[int, ...]], torch.Tensor] = {}
     for p in parameters:
@@ -53,15 +56,24 @@ def global_grad_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
         for dim in dims:
             dist.all_reduce(square, group=mesh.get_group(dim))
         total_sq = total_sq + square.cpu()
+    if extra_group is not None:
+        summed = total_sq.to(next(iter(groups.values())).device if groups else "cpu")
+        dist.all_reduce(summed, group=extra_group)
+        total_sq = summed.cpu()
     return total_sq.sqrt()
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float | None,
+    extra_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
     """Scale gradients in place so their global norm is at most ``max_norm``; return the norm before.
 
     Args:
         parameters: every trainable parameter of the model (the same list on every rank).
         max_norm: the bound; None measures the norm without clipping.
+        extra_group: see :func:`global_grad_norm` (a pipeline's pp group).
 
     Raises:
         ValueError: ``max_norm`` is not positive.
@@ -69,7 +81,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float | None) 
     if max_norm is not None and not max_norm > 0:
         raise ValueError(f"max_norm must be > 0 (or None to only measure), got {max_norm!r}")
     params = [p for p in parameters if p.grad is not None]
-    total = global_grad_norm(params)
+    total = global_grad_norm(params, extra_group)
     if max_norm is not None:
         coef = min(1.0, max_norm / (float(total) + 1e-6))
         if coef < 1.0:

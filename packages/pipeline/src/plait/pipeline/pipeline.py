@@ -12,11 +12,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
-from plait.mesh import FSDP2Config, MeshContext
+from plait.mesh import FSDP2Config, MeshContext, clip_grad_norm_
 from plait.pipeline.config import PipelineConfig
 from plait.pipeline.schedules import SCHEDULES, build_schedule, local_stage_indices
 from plait.pipeline.split import (
     StageSpec,
+    StageUnion,
     build_stage_module,
     check_untied_across_stages,
     find_decoder_parts,
@@ -47,7 +48,8 @@ class Pipeline:
         config: PipelineConfig,
         pp_mesh: DeviceMesh,
         device: torch.device,
-        forward_kwargs: dict[str, Any] | None = None,
+        forward_kwargs: dict[str, Any],
+        state_module: nn.Module,
     ) -> None:
         self.modules = modules
         """The local stage modules (each a pruned copy of the model, parallelized), in stage order."""
@@ -60,7 +62,8 @@ class Pipeline:
         self._pp_group = pp_mesh.get_group()
         self._pp_size = pp_mesh.size()
         self._device = device
-        self._forward_kwargs = dict(forward_kwargs or {})
+        self._forward_kwargs = dict(forward_kwargs)
+        self._state_module = state_module
         num_stages = len(specs)
         self._has_first = 0 in stage_indices
         self._has_last = num_stages - 1 in stage_indices
@@ -81,6 +84,19 @@ class Pipeline:
         """Local parameters under the full model's names."""
         for module in self.modules:
             yield from module.named_parameters()
+
+    def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
+        """Clip the gradients of all stages to one global norm (DTensor-aware); return the norm before."""
+        return clip_grad_norm_(list(self.parameters()), max_norm, extra_group=self._pp_group)
+
+    def state_module(self) -> nn.Module:
+        """The local stages as one module with the full model's names (for DCP's state-dict helpers).
+
+        ``get_model_state_dict(pipe.state_module())`` / ``get_optimizer_state_dict(pipe.state_module(),
+        optimizer)`` give this rank's part of the full model's state; its ``parameters()`` are the
+        pipeline's. It has no forward.
+        """
+        return self._state_module
 
     def train(self, mode: bool = True) -> Pipeline:
         for module in self.modules:
@@ -142,21 +158,15 @@ class Pipeline:
 
     def state_dict(self) -> dict[str, Any]:
         """The local stages' state under the full model's keys (DTensor values; for torch.distributed.checkpoint)."""
-        merged: dict[str, Any] = {}
-        for module in self.modules:
-            merged.update(module.state_dict())
-        return merged
+        return self._state_module.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load the local stages' entries of a full-model-keyed ``state_dict`` (extra keys are ignored)."""
-        for module in self.modules:
-            own = module.state_dict().keys()
-            missing = sorted(set(own) - set(state_dict))
-            if missing:
-                raise KeyError(
-                    f"state_dict lacks {len(missing)} keys of stage {type(module).__name__}: {missing[:4]}"
-                )
-            module.load_state_dict({k: state_dict[k] for k in own})
+        """Load the local stages' entries of a full-model-keyed ``state_dict`` (other stages' keys are ignored)."""
+        own = self._state_module.state_dict().keys()
+        missing = sorted(set(own) - set(state_dict))
+        if missing:
+            raise KeyError(f"state_dict lacks {len(missing)} keys of this rank's stages: {missing[:4]}")
+        self._state_module.load_state_dict({k: state_dict[k] for k in own})
 
 
 def _unwrap_output(loss_fn: LossFn) -> LossFn:
@@ -246,7 +256,8 @@ def pipeline_model(
     schedule = build_schedule(
         config.schedule, stages, config.num_microbatches(pp_size), _unwrap_output(loss_fn)
     )
-    return Pipeline(modules, indices, specs, schedule, config, pp_mesh, device, forward_kwargs)
+    union = StageUnion(modules, parts)
+    return Pipeline(modules, indices, specs, schedule, config, pp_mesh, device, forward_kwargs, union)
 
 
 def _parallelize_stages(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from plait.sharding import discover_layer_groups, tied_parameter_groups
@@ -21,6 +22,7 @@ __all__ = [
     "DecoderParts",
     "PrunedModule",
     "StageSpec",
+    "StageUnion",
     "build_stage_module",
     "check_untied_across_stages",
     "find_decoder_parts",
@@ -31,8 +33,13 @@ _NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f")
 _HEAD_NAMES = ("lm_head", "output", "head")
 
 
-class PrunedModule(nn.Identity):
+class PrunedModule(nn.Module):
     """Stands in for a module that lives on another stage: passes its input through, holds nothing."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A view (e.g. HF's logits_to_keep slice before the head) cannot be a stage output: the
+        # zero-bubble schedules detach stage outputs in place, which views refuse.
+        return x.clone() if x._is_view() else x
 
 
 @dataclass(frozen=True)
@@ -239,3 +246,37 @@ def build_stage_module(model: nn.Module, parts: DecoderParts, spec: StageSpec, n
         if parts.norm:
             stage.set_submodule(parts.norm, PrunedModule())
     return stage
+
+
+class StageUnion(nn.Module):
+    """One rank's stages as one module under the full model's names, sharing their submodules.
+
+    Holds the local layers and whichever of embedding, norm and head a local stage owns, at their
+    original paths; nothing else. For ``torch.distributed.checkpoint``'s model/optimizer state-dict
+    helpers, which take one module: its state-dict keys are the union of the local stages' keys.
+    """
+
+    def __init__(self, stages: list[nn.Module], parts: DecoderParts) -> None:
+        super().__init__()
+        for stage in stages:
+            layers = stage.get_submodule(parts.layers)
+            for key, layer in layers.named_children():
+                self._place(f"{parts.layers}.{key}", layer)
+            for path in (parts.embedding, parts.norm, parts.head):
+                module = stage.get_submodule(path) if path else None
+                if module is not None and not isinstance(module, PrunedModule):
+                    self._place(path, module)
+
+    def _place(self, path: str, module: nn.Module) -> None:
+        parent: nn.Module = self
+        *heads, leaf = path.split(".")
+        for name in heads:
+            child = getattr(parent, name, None)
+            if child is None:
+                child = nn.Module()
+                parent.add_module(name, child)
+            parent = child
+        parent.add_module(leaf, module)
+
+    def forward(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("StageUnion holds the local stages' state only; run the pipeline with Pipeline.step")
