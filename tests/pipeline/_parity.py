@@ -8,7 +8,6 @@ compares the parameters of its own stages (names are the full model's) with the 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
 from plait.models import DecoderConfig, DenseDecoder, MoEDecoder, MoEDecoderConfig
@@ -37,6 +37,10 @@ class PipeParity:
     worst_param: str
     compared: int
     stage_indices: list[int]
+    fsdp_units: int
+    """FSDP units on this rank's stages."""
+    resharded_after_forward: int
+    """Of those, units that free their gathered parameters after forward (PP wants 0)."""
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -102,15 +106,12 @@ def run_case(
     pipe_config: PipelineConfig,
     per_replica_batch: int = 4,
     fsdp: FSDP2Config | None = None,
-    inspect: Callable[[Any], None] | None = None,
 ) -> PipeParity:
     """One step's loss and gradients, then params after 2 SGD steps, vs the unsharded reference."""
     torch.manual_seed(0)
     reference = build(kind, layers)
     ctx = MeshContext.build(fsdp or FSDP2Config(mp_policy=None), sizes)
     pipe = pipeline_model(copy.deepcopy(reference), ctx, lm_loss, pipe_config)
-    if inspect is not None:
-        inspect(pipe)
     dp_mesh = ctx.dp_mesh()
     dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
     lo = dp_rank * per_replica_batch
@@ -145,7 +146,16 @@ def run_case(
         worst_param=worst_param,
         compared=compared,
         stage_indices=list(pipe.stage_indices),
+        **_reshard_counts(pipe.modules),
     )
+
+
+def _reshard_counts(modules: list[nn.Module]) -> dict[str, int]:
+    units = [m for root in modules for m in root.modules() if isinstance(m, FSDPModule)]
+    # torch keeps the setting private: a unit that reshards after forward has a post-forward mesh.
+    groups = [u._get_fsdp_state()._fsdp_param_group for u in units]
+    resharded = sum(g is not None and g.post_forward_mesh_info is not None for g in groups)
+    return {"fsdp_units": len(units), "resharded_after_forward": resharded}
 
 
 def assert_pipe_parity(results: list[list[PipeParity]]) -> None:

@@ -48,7 +48,10 @@ def test_two_stages_with_fsdp_and_with_tp_on_four_ranks() -> None:
             PipelineConfig(schedule="interleaved_1f1b"),
         ),
     ]
-    assert_pipe_parity(run_on_ranks(_cases, 4, cases, timeout=600))
+    results = run_on_ranks(_cases, 4, cases, timeout=600)
+    assert_pipe_parity(results)
+    for rank in results:  # FSDP's PP rule: no unit reshards after forward
+        assert rank[0].fsdp_units >= 3 and rank[0].resharded_after_forward == 0, rank[0]
 
 
 def _refusals() -> list[str]:
