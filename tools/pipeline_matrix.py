@@ -38,7 +38,7 @@ MATRIX: dict[int, list[tuple]] = {
     ],
     4: [
         *(
-            (f"{kind} pp4 {schedule}", kind, 8, Sizes(pp_size=4), Config(schedule=schedule))
+            (f"{kind} pp4 {schedule}", kind, 8, Sizes(pp_size=4), Config(schedule=schedule, microbatches=4))
             for kind in ("dense", "llama")
             for schedule in ("1f1b", "interleaved_1f1b")
         ),

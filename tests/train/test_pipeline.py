@@ -45,15 +45,24 @@ def _train(tmp: str, overrides: list[str], resume_after: int | None = None) -> l
         metrics.append(trainer.train_step())
     if resume_after is None:
         metrics.append({"val_loss": trainer.validate()})
+        _release(trainer)
         return metrics
     trainer.save()
+    _release(trainer)  # the run lock: the resumed job takes it over
     resumed = Trainer(recipe, config, init_distributed())
     resumed.resume()
     assert resumed.step == resume_after
     while resumed.step < recipe.train.steps:
         resumed.step += 1
         metrics.append(resumed.train_step())
+    _release(resumed)
     return metrics
+
+
+def _release(trainer: object) -> None:
+    lock = getattr(trainer, "run_lock", None)
+    if lock is not None:
+        lock.release()
 
 
 def test_pp2_matches_pp1_and_a_resumed_run_matches_an_uninterrupted_one(tmp_path) -> None:

@@ -178,6 +178,16 @@ Unflattened, ``param_groups.0`` of ranks holding different parameters (pipeline 
 the checkpoint and a rank loads another rank's groups."""
 
 
+def _global_fingerprint(recipe: Recipe, model_state: dict[str, Any], optimizer: object) -> dict[str, Any]:
+    """The fingerprint with every rank's model keys (pipeline stages hold different ones); a collective."""
+    found = fingerprint(recipe, model_state, optimizer)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, found["model"])
+        found["model"] = {k: v for part in parts for k, v in sorted(part.items())}
+    return found
+
+
 def _states(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {
         "model": get_model_state_dict(model),
@@ -274,7 +284,7 @@ class Checkpointer:
         meta = {
             **state,
             "layout": self.layout,
-            "fingerprint": fingerprint(self.recipe, states["model"], optimizer),
+            "fingerprint": _global_fingerprint(self.recipe, states["model"], optimizer),
         }
         try:
             _save_rng(tmp / _rng_name(_rank()))
@@ -374,7 +384,8 @@ class Checkpointer:
         """
         meta, step = manifest["meta"], manifest["step"]
         states = _states(model, optimizer)
-        problem = mismatch(meta.get("fingerprint", {}), fingerprint(self.recipe, states["model"], optimizer))
+        current = _global_fingerprint(self.recipe, states["model"], optimizer)
+        problem = mismatch(meta.get("fingerprint", {}), current)
         if problem is not None:
             raise CheckpointError(
                 f"checkpoint {str(path)!r} cannot resume this job: {problem}; use a new out_dir "
