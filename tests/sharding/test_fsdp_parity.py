@@ -20,8 +20,7 @@ from plait.sharding import (
     fully_shard_root,
     fully_shard_untied_embeddings,
 )
-from plait.testing import run_on_ranks
-from tests.sharding._parity import Parity, run_parity, token_batches
+from plait.testing import Parity, paired, run_on_ranks, run_parity, token_batches
 
 
 def _decoder(vocab: int, tied: bool) -> DenseDecoder:
@@ -66,7 +65,10 @@ def _dense_parity(shape: tuple[int, ...], vocab: int, tied: bool) -> Parity:
     mesh = _mesh(shape)
     batches = token_batches(vocab, dist.get_world_size())
     return run_parity(
-        partial(_decoder, vocab, tied), partial(_shard_dense, mesh=mesh), batches, dist.get_rank(), _structure
+        paired(partial(_decoder, vocab, tied), partial(_shard_dense, mesh=mesh)),
+        batches,
+        dp_rank=dist.get_rank(),
+        inspect=_structure,
     )
 
 
@@ -118,11 +120,10 @@ def _checkpointed_then_sharded(model: nn.Module, mesh: DeviceMesh, mode: str) ->
 def _ac_parity(mode: str) -> Parity:
     mesh = _mesh((dist.get_world_size(),))
     return run_parity(
-        partial(_decoder, 64, False),
-        partial(_checkpointed_then_sharded, mesh=mesh, mode=mode),
+        paired(partial(_decoder, 64, False), partial(_checkpointed_then_sharded, mesh=mesh, mode=mode)),
         token_batches(64, dist.get_world_size()),
-        dist.get_rank(),
-        _structure,
+        dp_rank=dist.get_rank(),
+        inspect=_structure,
     )
 
 

@@ -23,9 +23,8 @@ from plait.sharding import (
     frozen_multimodal_ignored_params,
     fully_shard_root,
 )
-from plait.testing import run_on_ranks
+from plait.testing import Inputs, Parity, paired, run_on_ranks, run_parity
 from plait.testing.models import make_batch
-from tests.sharding._parity import Inputs, Parity, run_parity
 
 _VOCAB = 64
 
@@ -93,11 +92,10 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 def _vlm_parity(frozen: str, policy: str, images_on: tuple[int, ...]) -> Parity:
     log: list[str] = []
     return run_parity(
-        partial(_vlm, frozen),
-        partial(_shard_vlm, policy=policy, log=log),
+        paired(partial(_vlm, frozen), partial(_shard_vlm, policy=policy, log=log)),
         _batches(images_on, dist.get_world_size()),
-        dist.get_rank(),
-        partial(_layout, log),
+        dp_rank=dist.get_rank(),
+        inspect=partial(_layout, log),
     )
 
 

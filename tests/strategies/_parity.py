@@ -1,17 +1,17 @@
-"""Rank-side helpers shared by the strategies tests: seeded batches, the LM loss, a parity run."""
+"""Rank-side helpers shared by the strategies tests: seeded batches and the LM loss for the tests that
+are not parity runs, and the entry to plait.testing's parity driver."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from plait.testing.parity import max_grad_diff, max_param_diff
+from plait.testing import Parity, token_batches
+from plait.testing import run_parity as _drive
 
 Build = Callable[[], tuple[nn.Module, nn.Module]]
 """Returns ``(reference, parallelized)`` models with equal initial weights."""
@@ -43,66 +43,7 @@ def mean_over_ranks(value: torch.Tensor) -> float:
     return out.item() / dist.get_world_size()
 
 
-@dataclass
-class Parity:
-    """Worst differences between a parallel model and its unsharded reference (NaN = not measured)."""
-
-    loss_diff: float = math.nan
-    grad_diff: float = math.nan
-    worst_grad: str = ""
-    param_diff: float = math.nan
-    worst_param: str = ""
-    adamw_loss_diff: float = math.nan
-
-    def check(self) -> None:
-        """fp32 parity: loss and gradients 1e-5, params after 2 SGD steps 1e-5, AdamW losses 1e-4."""
-        assert self.loss_diff <= 1e-5, self
-        assert self.grad_diff <= 1e-5, self
-        assert self.param_diff <= 1e-5, self
-        assert self.adamw_loss_diff <= 1e-4, self
-
-
-def _steps(
-    ref: nn.Module,
-    par: nn.Module,
-    batch: torch.Tensor,
-    rows: Callable[[torch.Tensor], torch.Tensor],
-    opt: Callable[..., torch.optim.Optimizer],
-    n: int,
-) -> Iterator[float]:
-    ref_opt, par_opt = opt(ref.parameters()), opt(par.parameters())
-    for _ in range(n):
-        ref_loss, par_loss = lm_loss(ref, batch), lm_loss(par, rows(batch))
-        ref_loss.backward()
-        par_loss.backward()
-        yield abs(mean_over_ranks(par_loss) - ref_loss.item())
-        ref_opt.step()
-        par_opt.step()
-        ref_opt.zero_grad()
-        par_opt.zero_grad()
-
-
-def run_parity(
-    build: Build,
-    vocab: int,
-    strip_ddp: bool = False,
-    data_ranks: int | None = None,
-    rows: Callable[[torch.Tensor], torch.Tensor] = local_rows,
-) -> Parity:
-    """Loss + every gradient of step 1, parameters after 2 SGD steps, losses over 3 AdamW steps.
-
-    The reference sees the whole global batch (2 rows per data-parallel rank); each parallel rank
-    sees ``rows(batch)``; the parallel loss is averaged over all ranks (equal rows per data rank and
-    identical losses on ranks sharing data, so it equals the reference's mean).
-    """
-    batch = global_batch(vocab, data_ranks or dist.get_world_size())
-    ref, par = build()
-    result = Parity(loss_diff=0.0)
-    for step, loss_diff in enumerate(_steps(ref, par, batch, rows, lambda p: torch.optim.SGD(p, lr=0.5), 2)):
-        result.loss_diff = max(result.loss_diff, loss_diff)
-        if step == 0:
-            result.grad_diff, result.worst_grad = max_grad_diff(ref, par, strip_ddp=strip_ddp)
-    result.param_diff, result.worst_param = max_param_diff(ref, par, strip_ddp=strip_ddp)
-    ref, par = build()
-    result.adamw_loss_diff = max(_steps(ref, par, batch, rows, lambda p: torch.optim.AdamW(p, lr=1e-2), 3))
-    return result
+def run_parity(build: Build, vocab: int, *, dp_rank: int | None = None, dp_size: int | None = None) -> Parity:
+    """The driver on ``build()``'s pair; data-parallel coordinates default to (rank, world size)."""
+    size = dist.get_world_size() if dp_size is None else dp_size
+    return _drive(build, token_batches(vocab, size), dp_rank=dist.get_rank() if dp_rank is None else dp_rank)

@@ -33,7 +33,7 @@ def _build(ac: bool | str) -> tuple[nn.Module, nn.Module]:
 def _ddp_parity(ac: bool | str) -> tuple[Parity, str, int]:
     _, par = _build(ac)
     wrappers = sum(isinstance(m, CheckpointWrapper) for m in par.modules())
-    return run_parity(lambda: _build(ac), _CFG.vocab_size, strip_ddp=True), type(par).__name__, wrappers
+    return run_parity(lambda: _build(ac), _CFG.vocab_size), type(par).__name__, wrappers
 
 
 @pytest.mark.parametrize(("world", "ac"), [(2, "full"), (4, "selective"), (4, False)])

@@ -13,8 +13,6 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from plait.models import DecoderConfig, DenseDecoder
 from plait.testing import (
-    ParityResult,
-    assert_models_close,
     clean_fqn,
     full_tensor,
     lm_loss,
@@ -48,8 +46,7 @@ def test_identical_models_have_zero_difference():
     ref, par = _pair()
     assert max_grad_diff(ref, par)[0] == 0.0
     assert max_param_diff(ref, par)[0] == 0.0
-    assert_models_close(ref, par, atol=0.0)
-    ParityResult.measure(ref, par).assert_close(atol=0.0)
+    assert max_grad_diff(ref, par, relative=True)[0] == 0.0
 
 
 def test_a_perturbed_parameter_and_gradient_are_found_by_name():
@@ -60,14 +57,9 @@ def test_a_perturbed_parameter_and_gradient_are_found_by_name():
     target.weight.grad[1, 2] -= 0.25
     assert max_param_diff(ref, par) == (pytest.approx(0.5), "model.layers.1.mlp.down_proj.weight")
     assert max_grad_diff(ref, par) == (pytest.approx(0.25), "model.layers.1.mlp.down_proj.weight")
-    with pytest.raises(
-        AssertionError, match=r"parameter model\.layers\.1\.mlp\.down_proj\.weight differs by 0\.5"
-    ):
-        assert_models_close(ref, par)
-    result = ParityResult.measure(ref, par, ref_loss=torch.tensor(1.0), par_loss=torch.tensor(1.5))
-    assert (result.loss_diff, result.worst_grad) == (0.5, "model.layers.1.mlp.down_proj.weight")
-    with pytest.raises(AssertionError, match=r"loss differs by 0\.5"):
-        result.assert_close()
+    scale = ref.model.layers[1].mlp.down_proj.weight.grad.abs().max().item()
+    rel, name = max_grad_diff(ref, par, relative=True)
+    assert name == "model.layers.1.mlp.down_proj.weight" and rel == pytest.approx(0.25 / scale)
 
 
 def test_wrapped_parameter_names_match_the_reference():
@@ -95,8 +87,6 @@ def test_nan_is_the_worst_difference_and_unmeasured_results_never_pass():
     par.lm_head.weight.grad[0, 0] = math.nan
     diff, name = max_grad_diff(ref, par)
     assert math.isnan(diff) and name == "lm_head.weight"
-    with pytest.raises(AssertionError, match="measured nothing"):
-        ParityResult().assert_close()
 
 
 def _sharded_grads_and_loss_parallel() -> tuple[float, float, float]:

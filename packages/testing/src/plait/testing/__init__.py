@@ -1,11 +1,21 @@
 """Dev-only: multi-rank gloo harness, fake process group, parity driver and test inputs."""
 
+from plait.testing.driver import (
+    BF16,
+    FP32,
+    Inputs,
+    Parity,
+    Tolerances,
+    assert_parity,
+    logits_of,
+    paired,
+    run_parity,
+    token_batches,
+)
 from plait.testing.fake_pg import fake_process_group
 from plait.testing.harness import RankFailure, run_on_ranks
 from plait.testing.models import NestedContainerModel, lm_loss, make_batch
 from plait.testing.parity import (
-    ParityResult,
-    assert_models_close,
     clean_fqn,
     full_tensor,
     max_grad_diff,
@@ -13,10 +23,18 @@ from plait.testing.parity import (
 )
 
 __all__ = [
+    "BF16",
+    "FP32",
+    "Inputs",
+    "Parity",
+    "Tolerances",
+    "assert_parity",
+    "logits_of",
+    "paired",
+    "run_parity",
+    "token_batches",
     "NestedContainerModel",
-    "ParityResult",
     "RankFailure",
-    "assert_models_close",
     "clean_fqn",
     "fake_process_group",
     "full_tensor",

@@ -1,4 +1,5 @@
-"""DTensor-aware comparison of a parallelized model against its unsharded reference.
+"""DTensor-aware differences between a parallelized model and its unsharded reference (the driver's
+measurements, in `plait.testing.driver`).
 
 `full_tensor` on a DTensor is a collective: every rank must call these helpers on the same
 models in the same order (they walk parameters in sorted-name order, so they do).
@@ -7,15 +8,12 @@ models in the same order (they walk parameters in sorted-name order, so they do)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 __all__ = [
-    "ParityResult",
-    "assert_models_close",
     "clean_fqn",
     "full_tensor",
     "max_grad_diff",
@@ -82,11 +80,13 @@ def _worse(worst: float, worst_name: str, diff: float, name: str) -> tuple[float
 
 
 def max_grad_diff(
-    ref_model: nn.Module, par_model: nn.Module, *, strip_ddp: bool = False
+    ref_model: nn.Module, par_model: nn.Module, *, strip_ddp: bool = False, relative: bool = False
 ) -> tuple[float, str]:
-    """Largest absolute gradient difference over parameters matched by cleaned name, and its name.
+    """Largest gradient difference over parameters matched by cleaned name, and its name.
 
-    Parameters whose gradient is None on both sides are skipped; None on one side only fails.
+    Absolute, or with ``relative`` divided by the reference's max |gradient| of that parameter
+    (absolute where that is 0). Parameters whose gradient is None on both sides are skipped;
+    None on one side only fails.
     """
     worst, worst_name = 0.0, ""
     for name, ref, par in _paired(ref_model, par_model, strip_ddp):
@@ -96,6 +96,9 @@ def max_grad_diff(
             side = "reference" if ref.grad is None else "parallel model"
             raise AssertionError(f"{name}: gradient is None in the {side} only")
         diff = _max_abs_diff(name, ref.grad, par.grad)
+        if relative:
+            scale = ref.grad.detach().abs().max().item() if ref.grad.numel() else 0.0
+            diff = diff / scale if scale > 0 else diff
         worst, worst_name = _worse(worst, worst_name, diff, name)
     return worst, worst_name
 
@@ -109,67 +112,3 @@ def max_param_diff(
         diff = _max_abs_diff(name, ref, par)
         worst, worst_name = _worse(worst, worst_name, diff, name)
     return worst, worst_name
-
-
-def assert_models_close(
-    ref_model: nn.Module,
-    par_model: nn.Module,
-    atol: float = 1e-5,
-    grads: bool = True,
-    *,
-    strip_ddp: bool = False,
-) -> None:
-    """Assert every parameter (and, when `grads`, every gradient) matches the reference within `atol`."""
-    diff, name = max_param_diff(ref_model, par_model, strip_ddp=strip_ddp)
-    assert diff <= atol, f"parameter {name} differs by {diff:.3g} (atol {atol:g})"
-    if grads:
-        diff, name = max_grad_diff(ref_model, par_model, strip_ddp=strip_ddp)
-        assert diff <= atol, f"gradient of {name} differs by {diff:.3g} (atol {atol:g})"
-
-
-@dataclass(frozen=True)
-class ParityResult:
-    """What a parity test body returns from each rank; unmeasured fields stay NaN (never 'close')."""
-
-    loss_diff: float = math.nan
-    grad_diff: float = math.nan
-    worst_grad: str = ""
-    param_diff: float = math.nan
-    worst_param: str = ""
-
-    @classmethod
-    def measure(
-        cls,
-        ref_model: nn.Module,
-        par_model: nn.Module,
-        *,
-        ref_loss: torch.Tensor | None = None,
-        par_loss: torch.Tensor | None = None,
-        grads: bool = True,
-        params: bool = True,
-        strip_ddp: bool = False,
-    ) -> ParityResult:
-        """Compare losses (if given), gradients and parameters of the two models (collective)."""
-        loss_diff = math.nan
-        if ref_loss is not None and par_loss is not None:
-            loss_diff = abs(full_tensor(ref_loss).float().item() - full_tensor(par_loss).float().item())
-        grad_diff, worst_grad = (
-            max_grad_diff(ref_model, par_model, strip_ddp=strip_ddp) if grads else (math.nan, "")
-        )
-        param_diff, worst_param = (
-            max_param_diff(ref_model, par_model, strip_ddp=strip_ddp) if params else (math.nan, "")
-        )
-        return cls(loss_diff, grad_diff, worst_grad, param_diff, worst_param)
-
-    def assert_close(self, atol: float = 1e-5) -> None:
-        """Assert every measured field is within `atol`; fails when nothing was measured."""
-        measured = {
-            "loss": (self.loss_diff, ""),
-            "gradient": (self.grad_diff, self.worst_grad),
-            "parameter": (self.param_diff, self.worst_param),
-        }
-        measured = {kind: v for kind, v in measured.items() if not math.isnan(v[0])}
-        assert measured, "ParityResult measured nothing"
-        for kind, (diff, name) in measured.items():
-            label = f"{kind} of {name}" if name else kind
-            assert diff <= atol, f"{label} differs by {diff:.3g} (atol {atol:g})"

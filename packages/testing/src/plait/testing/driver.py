@@ -1,0 +1,265 @@
+"""The parity driver: a parallelized model trained side by side with its unsharded reference.
+
+Every package's tests use this one driver. On each rank, the reference (plain, unsharded, fp32)
+trains on the whole global batch (the mean of every data-parallel rank's micro-batch loss) and the
+parallel model on this rank's micro-batch; matching gradients therefore also prove that the
+cross-rank gradient averaging happens inside the parallel model. Five global batches are used:
+
+1. step 0: the loss and every parameter's gradient are compared, then an SGD step;
+2. step 1: a second SGD step; every parameter is compared;
+3. steps 2-4: AdamW steps (continuing from the SGD state); the loss before each step is compared.
+
+The parallel loss is averaged over the world, which equals the data-parallel mean when every
+data-parallel rank has the same number of peers (tensor/expert-parallel ranks share a micro-batch).
+Gradients are compared relative to the reference's largest entry of that parameter
+(``max|g - g_ref| / max|g_ref|``), so one tolerance fits parameters of any gradient scale.
+
+Tolerances (:data:`FP32`, :data:`BF16`) are the project's parity contract; see :class:`Tolerances`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.nn.parallel import DistributedDataParallel
+
+from plait.testing.models import make_batch
+from plait.testing.parity import full_tensor, max_grad_diff, max_param_diff
+
+__all__ = [
+    "BF16",
+    "FP32",
+    "Inputs",
+    "Parity",
+    "Tolerances",
+    "assert_parity",
+    "logits_of",
+    "paired",
+    "run_parity",
+    "token_batches",
+]
+
+Inputs = tuple[dict[str, torch.Tensor], torch.Tensor]
+"""One micro-batch: the forward's keyword arguments and the next-token labels."""
+
+SGD_LR = 0.5
+ADAMW_LR = 1e-2
+STEPS = 5
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """Largest accepted differences: loss (abs), gradient (relative), parameters after SGD (abs), AdamW loss (abs)."""
+
+    loss: float
+    grad: float
+    param: float
+    adamw_loss: float
+
+
+FP32 = Tolerances(loss=1e-5, grad=1e-5, param=1e-5, adamw_loss=1e-4)
+"""Both sides in fp32: only summation order differs (fp32 epsilon 1.2e-7, a few hundred terms deep)."""
+
+BF16 = Tolerances(loss=5e-3, grad=5e-2, param=2e-2, adamw_loss=3e-2)
+"""Parallel side in the library default (FSDP2: bf16 parameters for compute, fp32 master weights and
+fp32 gradient reduction), reference in fp32. bf16 keeps 8 significant bits (unit roundoff
+2^-9 = 2e-3) and every matmul input, activation and output is rounded, about ten roundings deep in
+the 2-layer test models, twice over for gradients (forward, then backward). Measured on the test
+models (tests/sidecar/test_bf16_parity.py, 4 gloo ranks): loss <= 7e-4, gradients <= 2.5e-2 of the
+parameter's largest reference entry (norm scales and expert weights are the worst), parameters
+after 2 SGD steps (lr 0.5) <= 9.5e-3, AdamW losses <= 1.4e-2 (MoE: routing amplifies rounding). The
+bounds are about twice those, and still refuse real defects: a missing gradient average measures
+1.37 (tests/testing/test_driver.py), a wrong shard or a dropped reduction is O(1)."""
+
+
+@dataclass
+class Parity:
+    """What one rank measured; every number is a max difference between parallel and reference."""
+
+    case: str
+    loss_diff: float
+    grad_diff: float
+    """Relative to the reference's max |gradient| of the same parameter (absolute where that is 0)."""
+    worst_grad: str
+    param_diff: float
+    worst_param: str
+    adamw_loss_diffs: list[float]
+    grads_compared: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def check(self, tol: Tolerances = FP32) -> None:
+        """Assert every measurement is within ``tol`` (NaN fails)."""
+        label = f"{self.case}: " if self.case else ""
+        assert self.grads_compared > 0, f"{label}no gradients compared"
+        assert self.loss_diff <= tol.loss, f"{label}loss differs by {self.loss_diff:.3g} (tol {tol.loss:g})"
+        assert self.grad_diff <= tol.grad, (
+            f"{label}gradient of {self.worst_grad} differs by {self.grad_diff:.3g} relative (tol {tol.grad:g})"
+        )
+        assert self.param_diff <= tol.param, (
+            f"{label}after 2 SGD steps {self.worst_param} differs by {self.param_diff:.3g} (tol {tol.param:g})"
+        )
+        worst = max(self.adamw_loss_diffs, default=math.nan)
+        assert worst <= tol.adamw_loss, (
+            f"{label}AdamW losses differ by {self.adamw_loss_diffs} (tol {tol.adamw_loss:g})"
+        )
+
+
+def assert_parity(results: Sequence[Parity | Sequence[Parity]], tol: Tolerances = FP32) -> None:
+    """``check`` every result of every rank (a flat list, or one list per rank)."""
+    flat = [p for r in results for p in ([r] if isinstance(r, Parity) else r)]
+    assert flat, "no parity results"
+    for parity in flat:
+        parity.check(tol)
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """Logits from a plain tensor output or a Hugging Face ``ModelOutput``."""
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+def _loss(model: nn.Module, batch: Inputs) -> torch.Tensor:
+    """Mean next-token cross entropy in fp32 (a vocab-sharded DTensor's under ``loss_parallel``)."""
+    kwargs, labels = batch
+    logits = logits_of(model(**kwargs))
+    sharded = isinstance(logits, DTensor)
+    with loss_parallel() if sharded else contextlib.nullcontext():
+        return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+
+
+def _backward(loss: torch.Tensor) -> None:
+    with loss_parallel() if isinstance(loss, DTensor) else contextlib.nullcontext():
+        loss.backward()
+
+
+def _world_mean(loss: torch.Tensor) -> float:
+    total = full_tensor(loss).double().reshape(1).clone()
+    dist.all_reduce(total)
+    return float(total) / dist.get_world_size()
+
+
+def paired(
+    build: Callable[[], nn.Module], parallelize: Callable[[nn.Module], nn.Module]
+) -> Callable[[], tuple[nn.Module, nn.Module]]:
+    """``() -> (reference, parallel)``: ``build()`` after ``torch.manual_seed(0)``, and a parallelized deep copy."""
+
+    def make() -> tuple[nn.Module, nn.Module]:
+        torch.manual_seed(0)
+        reference = build()
+        return reference, parallelize(copy.deepcopy(reference))
+
+    return make
+
+
+def token_batches(
+    vocab: int,
+    dp_size: int,
+    *,
+    batch: int = 2,
+    seq: int = 8,
+    extra: Callable[[int, int], dict[str, torch.Tensor]] | None = None,
+) -> list[list[Inputs]]:
+    """``STEPS`` global batches of ``dp_size`` micro-batches each, identical on every rank.
+
+    ``extra(step, dp_rank)`` adds forward inputs (e.g. ``pixel_values``) to a micro-batch.
+    """
+    out = []
+    for step in range(STEPS):
+        micro = []
+        for r in range(dp_size):
+            ids, labels = make_batch(vocab, batch, seq, seed=1000 * step + r)
+            micro.append(({"input_ids": ids, **(extra(step, r) if extra else {})}, labels))
+        out.append(micro)
+    return out
+
+
+def _grad_norm_diff(reference: nn.Module, model: nn.Module) -> float:
+    norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=1e9) for m in (reference, model)]
+    return float((full_tensor(norms[0]) - full_tensor(norms[1])).abs())
+
+
+def run_parity(
+    models: Callable[[], tuple[nn.Module, nn.Module]],
+    batches: list[list[Inputs]],
+    *,
+    dp_rank: int,
+    case: str = "",
+    prepare_reference: Callable[[nn.Module], None] | None = None,
+    inspect: Callable[[nn.Module, nn.Module], dict[str, Any]] | None = None,
+    clip_norm: bool = False,
+    local_inputs: Callable[[Inputs], Inputs] | None = None,
+) -> Parity:
+    """Train the pair on ``batches`` (``batches[step][dp_rank]`` is this rank's micro-batch) and compare.
+
+    Args:
+        models: returns ``(reference, parallel)`` with equal initial weights (see :func:`paired`).
+        batches: ``STEPS`` global batches, one micro-batch per data-parallel rank (:func:`token_batches`).
+        dp_rank: this rank's data-parallel index.
+        case: label carried into the result and its messages.
+        prepare_reference: applied to the reference only, e.g. the freezing that the parallel side's
+            ``reapply_trainability`` must reproduce.
+        inspect: ``(reference, parallel) -> dict`` recorded in ``Parity.extra`` after training.
+        clip_norm: also record ``extra["grad_norm_diff"]``, torch's plain ``clip_grad_norm_`` on both.
+        local_inputs: what the parallel model sees of its micro-batch (e.g. a context-parallel rank's
+            sequence slice with its global ``position_ids``); the mean loss must stay the world mean.
+    """
+    if len(batches) != STEPS or not all(0 <= dp_rank < len(b) for b in batches):
+        raise ValueError(f"need {STEPS} global batches holding dp_rank {dp_rank}'s micro-batch")
+    reference, model = models()
+    if prepare_reference is not None:
+        prepare_reference(reference)
+    strip_ddp = isinstance(model, DistributedDataParallel)
+
+    def step(i: int) -> tuple[float, float]:
+        ref_loss = torch.stack([_loss(reference, b) for b in batches[i]]).mean()
+        mine = batches[i][dp_rank]
+        par_loss = _loss(model, local_inputs(mine) if local_inputs else mine)
+        ref_loss.backward()
+        _backward(par_loss)
+        return float(ref_loss.detach()), _world_mean(par_loss)
+
+    def optimizers(cls: type[torch.optim.Optimizer], lr: float) -> list[torch.optim.Optimizer]:
+        return [cls([p for p in m.parameters() if p.requires_grad], lr=lr) for m in (reference, model)]
+
+    ref_loss, par_loss = step(0)
+    grad_diff, worst_grad = max_grad_diff(reference, model, strip_ddp=strip_ddp, relative=True)
+    grads_compared = sum(p.grad is not None for p in reference.parameters())
+    extra = {"grad_norm_diff": _grad_norm_diff(reference, model)} if clip_norm else {}
+    sgd = optimizers(torch.optim.SGD, SGD_LR)
+    for i in (0, 1):
+        if i:
+            step(i)
+        for opt in sgd:
+            opt.step()
+            opt.zero_grad()
+    param_diff, worst_param = max_param_diff(reference, model, strip_ddp=strip_ddp)
+    adamw, adamw_diffs = optimizers(torch.optim.AdamW, ADAMW_LR), []
+    for i in range(2, STEPS):
+        r, p = step(i)
+        adamw_diffs.append(abs(r - p))
+        for opt in adamw:
+            opt.step()
+            opt.zero_grad()
+    if inspect is not None:
+        extra |= inspect(reference, model)
+    return Parity(
+        case,
+        abs(ref_loss - par_loss),
+        grad_diff,
+        worst_grad,
+        param_diff,
+        worst_param,
+        adamw_diffs,
+        grads_compared,
+        extra,
+    )
