@@ -1,22 +1,20 @@
-"""Recipe dataclasses and the strict mapping from plain YAML data onto them.
+"""Recipe dataclasses; plain YAML data maps onto them with plait.mesh's strict mapper.
 
-A recipe is a tree of dataclasses. :func:`from_dict` maps a nested ``dict`` (as
-``yaml.safe_load`` returns it) onto a dataclass, refusing unknown keys (naming them, with the
-closest allowed key) and values of the wrong type (naming the key, the expected and the given
-type). The defaults of :class:`Recipe` *are* the embedded default recipe that
-``uv run apps/train`` trains.
+A recipe is a tree of dataclasses. :func:`recipe_from_dict` maps a nested ``dict`` (as the YAML
+loader returns it) onto :class:`Recipe` with :func:`plait.mesh.parsing.from_dict`, refusing unknown
+keys (named, with the closest allowed key), values of the wrong type and non-finite numbers. The
+defaults of :class:`Recipe` *are* the embedded default recipe that ``uv run apps/train`` trains.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import types
-import typing
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from plait.mesh import MoEConfig
+from plait.mesh import MoEConfig, normalize_strategy_name
+from plait.mesh.parsing import from_dict
 
 __all__ = [
     "CheckpointConfig",
@@ -27,16 +25,24 @@ __all__ = [
     "ParallelConfig",
     "Recipe",
     "TrainConfig",
-    "from_dict",
+    "recipe_from_dict",
     "to_dict",
 ]
 
 ModelSource = Literal["dense", "moe", "vlm", "hf"]
-Strategy = Literal["fsdp2", "ddp", "megatron_fsdp"]
+
+_FIRST_CLASS_OPTIONS = {
+    "sequence_parallel": "parallel.sequence_parallel",
+    "enable_compile": "parallel.compile",
+    "mp_policy": "parallel.mixed_precision",
+}
+"""Strategy-config keys that have a first-class recipe field: one spelling per setting."""
 
 
 def _positive(owner: str, **values: int | float | None) -> None:
     for name, value in values.items():
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"{owner}.{name} must be a finite number, got {value!r}")
         if value is not None and value <= 0:
             raise ValueError(f"{owner}.{name} must be > 0, got {value!r}")
 
@@ -75,8 +81,9 @@ class ModelConfig:
 class ParallelConfig:
     """How the model is split over the ranks."""
 
-    strategy: Strategy = "fsdp2"
-    """`fsdp2` (also HSDP with dp_replicate_size > 1), `ddp`, or `megatron_fsdp`."""
+    strategy: str = "fsdp2"
+    """`fsdp2` (also HSDP with dp_replicate_size > 1), `ddp`, or `megatron_fsdp` (the library's names and
+    aliases, e.g. `megatron-fsdp`, `mfsdp`, any case; stored as the canonical name)."""
     dp_size: int | None = None
     """Data-parallel ranks; None = the ranks left after tp (and ep is carved from dp*tp)."""
     dp_replicate_size: int = 1
@@ -103,9 +110,18 @@ class ParallelConfig:
     compile: bool = False
     """torch.compile each transformer layer after parallelization."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Extra strategy-config keys (e.g. `fsdp2_forward_prefetch_depth: 2`)."""
+    """Extra strategy-config keys (e.g. `fsdp2_forward_prefetch_depth: 2`); not the first-class ones above."""
 
     def __post_init__(self) -> None:
+        try:
+            self.strategy = normalize_strategy_name(self.strategy)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"parallel.strategy: {err}") from None
+        for key, field_name in _FIRST_CLASS_OPTIONS.items():
+            if key in self.options:
+                raise ValueError(
+                    f"parallel.options.{key} duplicates {field_name}; set {field_name} only (one spelling per setting)"
+                )
         _positive(
             "parallel",
             dp_replicate_size=self.dp_replicate_size,
@@ -283,94 +299,6 @@ def to_dict(obj: Any) -> dict[str, Any]:
     return dataclasses.asdict(obj)
 
 
-def from_dict(cls: type, data: Any, path: str = "") -> Any:
-    """Map plain data onto the dataclass ``cls`` strictly.
-
-    Raises:
-        ValueError: an unknown key (named, with the closest allowed key).
-        TypeError: a value of the wrong type (named, with the expected type).
-    """
-    where = path or "recipe"
-    if not isinstance(data, dict):
-        raise TypeError(f"{where} must be a mapping of keys to values, got {_type_name(data)}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
-    for key in data:
-        if key not in names:
-            near = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean '{_join(path, near[0])}'?)" if near else ""
-            raise ValueError(
-                f"unknown recipe key '{_join(path, str(key))}'{hint}; allowed: {', '.join(names)}"
-            )
-    kwargs = {key: _convert(hints[key], value, _join(path, key)) for key, value in data.items()}
-    return cls(**kwargs)
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-def _type_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def _describe(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_describe(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "null"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _convert(tp: Any, value: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, path)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        errors = []
-        for arm in args:
-            try:
-                return _convert(arm, value, path)
-            except (TypeError, ValueError) as err:
-                errors.append(err)
-        raise TypeError(f"{path} must be {_describe(tp)}, got {value!r} ({_type_name(value)})")
-    if origin is Literal:
-        if value in args and not (isinstance(value, bool) and not any(isinstance(a, bool) for a in args)):
-            return value
-        raise ValueError(f"{path} must be one of {', '.join(repr(a) for a in args)}, got {value!r}")
-    if origin is list:
-        if not isinstance(value, list):
-            raise TypeError(f"{path} must be a list, got {value!r} ({_type_name(value)})")
-        return [_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise TypeError(f"{path} must be a mapping, got {value!r} ({_type_name(value)})")
-        return {str(k): _convert(args[1], v, _join(path, str(k))) for k, v in value.items()}
-    return _convert_scalar(tp, value, path)
-
-
-def _convert_scalar(tp: Any, value: Any, path: str) -> Any:
-    if tp is type(None):
-        if value is None:
-            return None
-    elif tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    else:
-        raise AssertionError(f"unsupported recipe field type {tp!r} at {path}")
-    raise TypeError(f"{path} must be {_describe(tp)}, got {value!r} ({_type_name(value)})")
+def recipe_from_dict(data: Any) -> Recipe:
+    """Map plain recipe data onto :class:`Recipe` strictly (see :func:`plait.mesh.parsing.from_dict`)."""
+    return from_dict(Recipe, data, what="recipe")

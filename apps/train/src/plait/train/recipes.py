@@ -3,6 +3,10 @@
 Overrides are applied to the plain data *before* it is mapped onto the dataclasses, so an
 override obeys exactly the same strict checks as the file (unknown key, wrong type).
 Values are YAML-parsed: ``--set train.steps=10`` is an int, ``--set data.paths=[a.txt]`` a list.
+
+The YAML loader refuses what a recipe never needs and an attacker could use: aliases (``*name``,
+so no "billion laughs" expansion), duplicate keys (YAML would silently keep the last), and nesting
+deeper than :data:`MAX_DEPTH` (before Python's recursion limit is reached).
 """
 
 from __future__ import annotations
@@ -13,16 +17,58 @@ from typing import Any
 
 import yaml
 
-from plait.train.config import Recipe, from_dict
+from plait.train.config import Recipe, recipe_from_dict
 
-__all__ = ["RECIPES_DIR", "apply_overrides", "load_recipe", "parse_override", "resolve_recipe_path"]
+__all__ = [
+    "MAX_DEPTH",
+    "RECIPES_DIR",
+    "apply_overrides",
+    "load_recipe",
+    "parse_override",
+    "resolve_recipe_path",
+]
 
 RECIPES_DIR = Path(__file__).resolve().parent / "shipped_recipes"
 """The shipped recipes (inside the package, so the wheel carries them)."""
 
+MAX_DEPTH = 32
+"""Deepest nesting of mappings and lists a recipe may have (the shipped ones use 4)."""
+
 
 class _Loader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that also reads ``1e-3`` (no dot, YAML 1.1 says string) as a float."""
+    """``yaml.SafeLoader`` without aliases or duplicate keys, bounded in depth; reads ``1e-3`` as a float."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise ValueError(
+                f"line {mark.line + 1}: YAML aliases (*{self.peek_event().anchor}) are not allowed in a "
+                "recipe; write the value out"
+            )
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                mark = self.peek_event().start_mark
+                raise ValueError(f"line {mark.line + 1}: nesting deeper than {MAX_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, str | int | float | bool | None):
+                continue  # unhashable keys: SafeLoader's own error
+            if key in seen:
+                raise ValueError(f"line {line}: duplicate key {key!r} (first at line {seen[key]})")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -46,12 +92,14 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = _yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as err:
         raise ValueError(f"--set {key}: value {raw!r} is not valid YAML ({err.__class__.__name__})") from None
+    except ValueError as err:
+        raise ValueError(f"--set {key}: {err}") from None
     return parts, value
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Return a copy of ``data`` with each ``a.b=value`` override applied (nested dicts created)."""
-    out = _deepcopy(data)
+    out = _copy(data)
     for text in overrides:
         parts, value = parse_override(text)
         node = out
@@ -79,25 +127,30 @@ def resolve_recipe_path(name: str) -> Path:
     )
 
 
+def _read(file: Path) -> dict[str, Any]:
+    try:
+        data = _yaml(file.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise ValueError(f"recipe {str(file)!r} is not UTF-8 text (byte {err.start})") from None
+    except yaml.YAMLError as err:
+        raise ValueError(f"recipe {str(file)!r} is not valid YAML: {err}".replace("\n", " ")) from None
+    except ValueError as err:
+        raise ValueError(f"recipe {str(file)!r}, {err}") from None
+    if not isinstance(data, dict):
+        raise TypeError(f"recipe {str(file)!r} must be a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
 def load_recipe(path: str | None = None, overrides: list[str] | None = None) -> Recipe:
     """Load ``path`` (None = the embedded default recipe), apply overrides, map strictly."""
-    data: Any = {}
-    if path is not None:
-        file = resolve_recipe_path(path)
-        try:
-            data = _yaml(file.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ValueError(f"recipe {str(file)!r} is not valid YAML: {err}".replace("\n", " ")) from None
-        if not isinstance(data, dict):
-            raise TypeError(
-                f"recipe {str(file)!r} must be a mapping at the top level, got {type(data).__name__}"
-            )
-    return from_dict(Recipe, apply_overrides(data, overrides or []))
+    data = _read(resolve_recipe_path(path)) if path is not None else {}
+    return recipe_from_dict(apply_overrides(data, overrides or []))
 
 
-def _deepcopy(data: Any) -> Any:
+def _copy(data: Any) -> Any:
+    """A copy of the loaded tree (alias-free and depth-bounded, so this is linear in its size)."""
     if isinstance(data, dict):
-        return {k: _deepcopy(v) for k, v in data.items()}
+        return {k: _copy(v) for k, v in data.items()}
     if isinstance(data, list):
-        return [_deepcopy(v) for v in data]
+        return [_copy(v) for v in data]
     return data

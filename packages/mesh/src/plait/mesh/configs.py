@@ -12,7 +12,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from plait.mesh.normalize import normalize_ac_scope, normalize_frozen_multimodal_sharding
 from plait.mesh.parsing import (
     check_types,
-    kwargs_from_dict,
+    from_dict,
     parse_dtype,
     parse_mp_policy,
     parse_offload_policy,
@@ -85,7 +85,7 @@ class _Config:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Self:
         """Build the config from a YAML mapping; unknown keys -> ValueError, wrong types -> TypeError."""
-        return cls(**kwargs_from_dict(cls, data))
+        return from_dict(cls, data, cls.__name__)
 
 
 @dataclass(frozen=True, kw_only=True)

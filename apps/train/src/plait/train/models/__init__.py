@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from plait.mesh.parsing import from_dict
 from plait.models import REFERENCE_MODELS, freeze_vision, preset_arch
-from plait.train.config import ModelConfig, from_dict
+from plait.train.config import ModelConfig
 from plait.train.models.hf import build_hf_model, hf_logits
 
 __all__ = ["build_model", "hf_logits", "model_vocab_size"]
@@ -24,7 +25,9 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "meta") -> nn.Mod
             model = build_hf_model(cfg.hf_class, cfg.hf_config, cfg.pretrained_path)
         else:
             config_cls, model_cls = REFERENCE_MODELS[cfg.source]
-            config = from_dict(config_cls, preset_arch(cfg.source, cfg.preset, cfg.arch), "model.arch")
+            config = from_dict(
+                config_cls, preset_arch(cfg.source, cfg.preset, cfg.arch), "model.arch", what="recipe"
+            )
             model = model_cls(config)
     if cfg.source == "vlm" and cfg.freeze_vision:
         freeze_vision(model)

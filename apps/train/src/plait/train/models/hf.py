@@ -6,7 +6,9 @@ with ``importlib`` so the app works (and its other recipes run) without it insta
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,7 @@ def build_hf_model(hf_class: str, hf_config: dict[str, Any], pretrained_path: st
             f"model.hf_class {hf_class!r} is not a transformers model class with a config_class; "
             f"use e.g. 'LlamaForCausalLM', 'Qwen2ForCausalLM' or 'MistralForCausalLM'"
         )
+    _check_config_keys(config_cls, hf_config)
     try:
         if pretrained_path is not None:
             if not (Path(pretrained_path) / "config.json").is_file():
@@ -53,6 +56,39 @@ def build_hf_model(hf_class: str, hf_config: dict[str, Any], pretrained_path: st
         raise ValueError(f"model.hf_config is not valid for {config_cls.__name__}: {err}") from None
     config.use_cache = False
     return cls(config)
+
+
+_CONFIG_KWARGS = frozenset({"attn_implementation", "torch_dtype", "rope_theta", "rope_scaling"})
+"""Keys every transformers config reads from its keyword arguments without declaring them."""
+
+
+def _config_keys(config_cls: type) -> set[str]:
+    """What a config class knows: its defaults' fields and the keyword arguments of its constructors."""
+    keys = set(config_cls().to_dict())
+    for klass in config_cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is not None:
+            keys |= {
+                n
+                for n, p in inspect.signature(init).parameters.items()
+                if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD
+            }
+    keys |= set(getattr(config_cls, "attribute_map", {}) or {})
+    return (keys | _CONFIG_KWARGS) - {"self"}
+
+
+def _check_config_keys(config_cls: type, hf_config: dict[str, Any]) -> None:
+    """Refuse a key the config class does not know (transformers would keep it as an unused attribute).
+
+    Raises:
+        ValueError: naming the key and the closest known one.
+    """
+    known = _config_keys(config_cls)
+    for key in hf_config:
+        if key not in known:
+            near = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean '{near[0]}'?)" if near else ""
+            raise ValueError(f"model.hf_config key {key!r} is not a field of {config_cls.__name__}{hint}")
 
 
 def hf_logits(output: Any) -> Any:
