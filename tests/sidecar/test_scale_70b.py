@@ -17,15 +17,6 @@ from typing import Any
 import torch
 
 WORLD, TP = 4096, 8
-LLAMA3_70B = {
-    "vocab_size": 128256,
-    "hidden_size": 8192,
-    "intermediate_size": 28672,
-    "num_hidden_layers": 80,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 8,
-    "tie_word_embeddings": False,
-}
 MAX_SECONDS, MAX_RSS_GIB = 60.0, 4.0
 
 
@@ -35,14 +26,14 @@ def measure() -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
-    from plait.models import DecoderConfig, DenseDecoder
+    from plait.models import DecoderConfig, DenseDecoder, preset_arch
     from plait.sidecar import parallelize_model
     from plait.testing.fake_pg import fake_process_group
 
     start = time.perf_counter()
     with fake_process_group(WORLD):
         with torch.device("meta"):
-            model = DenseDecoder(DecoderConfig(**LLAMA3_70B))
+            model = DenseDecoder(DecoderConfig(**preset_arch("dense", "llama3-70b")))
         ctx = MeshContext.build(FSDP2Config(sequence_parallel=True), ParallelismSizes(tp_size=TP))
         t0 = time.perf_counter()
         model = parallelize_model(model, ctx)

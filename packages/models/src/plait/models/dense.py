@@ -23,6 +23,7 @@ __all__ = [
     "LLAMA_TP_PLAN",
     "MLP",
     "Attention",
+    "CausalLM",
     "DecoderConfig",
     "DecoderLayer",
     "DecoderModel",
@@ -266,18 +267,18 @@ LLAMA_TP_PLAN = llama_tp_plan_for("model")
 """The dense decoder's tensor-parallel plan, in Hugging Face's ``_tp_plan`` form."""
 
 
-class DenseDecoder(nn.Module):
-    """Causal LM: ``forward(input_ids, position_ids=None) -> logits [batch, seq, vocab]``."""
+class CausalLM(nn.Module):
+    """A backbone ``model`` and the output head ``lm_head`` (sharing the input table when tied).
 
-    _no_split_modules: ClassVar[list[str]] = ["DecoderLayer"]
-    _tp_plan: ClassVar[dict[str, str]] = LLAMA_TP_PLAN
+    ``forward(input_ids, position_ids=None) -> logits [batch, seq, vocab]``.
+    """
 
-    def __init__(self, config: DecoderConfig | None = None) -> None:
+    def __init__(self, config: DecoderConfig, model: DecoderModel) -> None:
         super().__init__()
-        self.config = config if config is not None else DecoderConfig()
-        self.model = DecoderModel(self.config)
-        self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
-        if self.config.tie_word_embeddings:
+        self.config = config
+        self.model = model
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def get_input_embeddings(self) -> nn.Module:
@@ -288,3 +289,14 @@ class DenseDecoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         return self.lm_head(self.model(input_ids=input_ids, position_ids=position_ids))
+
+
+class DenseDecoder(CausalLM):
+    """The dense causal LM (``transformers.LlamaForCausalLM``'s layout)."""
+
+    _no_split_modules: ClassVar[list[str]] = ["DecoderLayer"]
+    _tp_plan: ClassVar[dict[str, str]] = LLAMA_TP_PLAN
+
+    def __init__(self, config: DecoderConfig | None = None) -> None:
+        config = config if config is not None else DecoderConfig()
+        super().__init__(config, DecoderModel(config))

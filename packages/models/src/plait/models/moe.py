@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.models.dense import MLP, DecoderConfig, DecoderLayer, DecoderModel
+from plait.models.dense import MLP, CausalLM, DecoderConfig, DecoderLayer, DecoderModel
 
 __all__ = ["GroupedExperts", "MoEBlock", "MoEDecoder", "MoEDecoderConfig", "MoEDecoderLayer", "TopKRouter"]
 
@@ -150,7 +150,7 @@ class MoEDecoderLayer(DecoderLayer):
         super().__init__(config, mlp=MoEBlock(config))
 
 
-class MoEDecoder(nn.Module):
+class MoEDecoder(CausalLM):
     """MoE causal LM: ``forward(input_ids, position_ids=None) -> logits [batch, seq, vocab]``.
 
     No ``_tp_plan``: under tensor parallel plait.tp's default Llama-style plan shards the attention
@@ -160,19 +160,6 @@ class MoEDecoder(nn.Module):
     _no_split_modules: ClassVar[list[str]] = ["MoEDecoderLayer"]
 
     def __init__(self, config: MoEDecoderConfig | None = None) -> None:
-        super().__init__()
-        self.config = config if config is not None else MoEDecoderConfig()
-        layers = [MoEDecoderLayer(self.config) for _ in range(self.config.num_hidden_layers)]
-        self.model = DecoderModel(self.config, layers=layers)
-        self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.model.embed_tokens
-
-    def get_output_embeddings(self) -> nn.Module:
-        return self.lm_head
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.lm_head(self.model(input_ids=input_ids, position_ids=position_ids))
+        config = config if config is not None else MoEDecoderConfig()
+        layers = [MoEDecoderLayer(config) for _ in range(config.num_hidden_layers)]
+        super().__init__(config, DecoderModel(config, layers=layers))

@@ -12,7 +12,8 @@ cross-rank gradient averaging happens inside the parallel model. Five global bat
 The parallel loss is averaged over the world, which equals the data-parallel mean when every
 data-parallel rank has the same number of peers (tensor/expert-parallel ranks share a micro-batch).
 Gradients are compared relative to the reference's largest entry of that parameter
-(``max|g - g_ref| / max|g_ref|``), so one tolerance fits parameters of any gradient scale.
+(``max|g - g_ref| / max|g_ref|``, floored at 1% of the model's largest entry, see
+:func:`plait.testing.parity.max_grad_diff`), so one tolerance fits parameters of any gradient scale.
 
 Tolerances (:data:`FP32`, :data:`BF16`) are the project's parity contract; see :class:`Tolerances`.
 """
@@ -90,7 +91,7 @@ class Parity:
     case: str
     loss_diff: float
     grad_diff: float
-    """Relative to the reference's max |gradient| of the same parameter (absolute where that is 0)."""
+    """Relative to the reference's max |gradient| of the same parameter (floored, see the module doc)."""
     worst_grad: str
     param_diff: float
     worst_param: str
@@ -183,6 +184,32 @@ def token_batches(
     return out
 
 
+def _optimizers(models: tuple[nn.Module, ...], cls: type[torch.optim.Optimizer], lr: float) -> list:
+    return [cls([p for p in m.parameters() if p.requires_grad], lr=lr) for m in models]
+
+
+def _train_on(
+    reference: nn.Module, model: nn.Module, step: Callable[[int], tuple[float, float]], strip_ddp: bool
+) -> tuple[float, str, list[float]]:
+    """After step 0's backward: 2 SGD steps, the parameter difference, then the AdamW loss differences."""
+    sgd = _optimizers((reference, model), torch.optim.SGD, SGD_LR)
+    for i in (0, 1):
+        if i:
+            step(i)
+        for opt in sgd:
+            opt.step()
+            opt.zero_grad()
+    param_diff, worst_param = max_param_diff(reference, model, strip_ddp=strip_ddp)
+    adamw, adamw_diffs = _optimizers((reference, model), torch.optim.AdamW, ADAMW_LR), []
+    for i in range(2, STEPS):
+        r, p = step(i)
+        adamw_diffs.append(abs(r - p))
+        for opt in adamw:
+            opt.step()
+            opt.zero_grad()
+    return param_diff, worst_param, adamw_diffs
+
+
 def _grad_norm_diff(reference: nn.Module, model: nn.Module) -> float:
     norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=1e9) for m in (reference, model)]
     return float((full_tensor(norms[0]) - full_tensor(norms[1])).abs())
@@ -228,28 +255,11 @@ def run_parity(
         _backward(par_loss)
         return float(ref_loss.detach()), _world_mean(par_loss)
 
-    def optimizers(cls: type[torch.optim.Optimizer], lr: float) -> list[torch.optim.Optimizer]:
-        return [cls([p for p in m.parameters() if p.requires_grad], lr=lr) for m in (reference, model)]
-
     ref_loss, par_loss = step(0)
     grad_diff, worst_grad = max_grad_diff(reference, model, strip_ddp=strip_ddp, relative=True)
     grads_compared = sum(p.grad is not None for p in reference.parameters())
     extra = {"grad_norm_diff": _grad_norm_diff(reference, model)} if clip_norm else {}
-    sgd = optimizers(torch.optim.SGD, SGD_LR)
-    for i in (0, 1):
-        if i:
-            step(i)
-        for opt in sgd:
-            opt.step()
-            opt.zero_grad()
-    param_diff, worst_param = max_param_diff(reference, model, strip_ddp=strip_ddp)
-    adamw, adamw_diffs = optimizers(torch.optim.AdamW, ADAMW_LR), []
-    for i in range(2, STEPS):
-        r, p = step(i)
-        adamw_diffs.append(abs(r - p))
-        for opt in adamw:
-            opt.step()
-            opt.zero_grad()
+    param_diff, worst_param, adamw_diffs = _train_on(reference, model, step, strip_ddp)
     if inspect is not None:
         extra |= inspect(reference, model)
     return Parity(

@@ -79,15 +79,31 @@ def _worse(worst: float, worst_name: str, diff: float, name: str) -> tuple[float
     return worst, worst_name
 
 
+RELATIVE_FLOOR = 1e-2
+"""Smallest gradient scale for relative comparisons, as a fraction of the model's largest entry."""
+
+
+def _largest_grad(model: nn.Module) -> float:
+    grads = [
+        full_tensor(p.grad).abs().max().item()
+        for p in model.parameters()
+        if p.grad is not None and p.grad.numel()
+    ]
+    return max(grads, default=0.0)
+
+
 def max_grad_diff(
     ref_model: nn.Module, par_model: nn.Module, *, strip_ddp: bool = False, relative: bool = False
 ) -> tuple[float, str]:
     """Largest gradient difference over parameters matched by cleaned name, and its name.
 
-    Absolute, or with ``relative`` divided by the reference's max |gradient| of that parameter
-    (absolute where that is 0). Parameters whose gradient is None on both sides are skipped;
+    Absolute, or with ``relative`` divided by the reference's max |gradient| of that parameter, or
+    by :data:`RELATIVE_FLOOR` times the model's largest reference gradient entry when that is larger:
+    a gradient that is zero by construction (a top-1 router's, say) holds only rounding noise, which
+    no scale of its own can measure. Parameters whose gradient is None on both sides are skipped;
     None on one side only fails.
     """
+    floor = RELATIVE_FLOOR * _largest_grad(ref_model) if relative else 0.0
     worst, worst_name = 0.0, ""
     for name, ref, par in _paired(ref_model, par_model, strip_ddp):
         if ref.grad is None and par.grad is None:
@@ -97,7 +113,7 @@ def max_grad_diff(
             raise AssertionError(f"{name}: gradient is None in the {side} only")
         diff = _max_abs_diff(name, ref.grad, par.grad)
         if relative:
-            scale = ref.grad.detach().abs().max().item() if ref.grad.numel() else 0.0
+            scale = max(full_tensor(ref.grad).abs().max().item() if ref.grad.numel() else 0.0, floor)
             diff = diff / scale if scale > 0 else diff
         worst, worst_name = _worse(worst, worst_name, diff, name)
     return worst, worst_name
