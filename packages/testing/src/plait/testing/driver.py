@@ -7,7 +7,7 @@ cross-rank gradient averaging happens inside the parallel model. Five global bat
 
 1. step 0: the loss and every parameter's gradient are compared, then an SGD step;
 2. step 1: a second SGD step; every parameter is compared;
-3. steps 2-4: AdamW steps (continuing from the SGD state); the loss before each step is compared.
+3. steps 2-4: AdamW steps on a fresh pair (from the initial weights); each step's loss is compared.
 
 The parallel loss is averaged over the world, which equals the data-parallel mean when every
 data-parallel rank has the same number of peers (tensor/expert-parallel ranks share a micro-batch).
@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,30 +185,40 @@ def token_batches(
     return out
 
 
-def _optimizers(models: tuple[nn.Module, ...], cls: type[torch.optim.Optimizer], lr: float) -> list:
+def _optimizers(models: tuple[nn.Module, nn.Module], cls: type[torch.optim.Optimizer], lr: float) -> list:
     return [cls([p for p in m.parameters() if p.requires_grad], lr=lr) for m in models]
 
 
-def _train_on(
-    reference: nn.Module, model: nn.Module, step: Callable[[int], tuple[float, float]], strip_ddp: bool
-) -> tuple[float, str, list[float]]:
-    """After step 0's backward: 2 SGD steps, the parameter difference, then the AdamW loss differences."""
-    sgd = _optimizers((reference, model), torch.optim.SGD, SGD_LR)
-    for i in (0, 1):
-        if i:
-            step(i)
-        for opt in sgd:
+def _step(
+    pair: tuple[nn.Module, nn.Module],
+    batches: list[Inputs],
+    dp_rank: int,
+    local: Callable[[Inputs], Inputs] | None,
+) -> tuple[float, float]:
+    """Forward and backward of one global batch: the reference's loss and the world mean of the parallel one."""
+    reference, model = pair
+    ref_loss = torch.stack([_loss(reference, b) for b in batches]).mean()
+    mine = batches[dp_rank]
+    par_loss = _loss(model, local(mine) if local else mine)
+    ref_loss.backward()
+    _backward(par_loss)
+    return float(ref_loss.detach()), _world_mean(par_loss)
+
+
+def _train(
+    pair: tuple[nn.Module, nn.Module],
+    cls: type[torch.optim.Optimizer],
+    lr: float,
+    losses: Iterable[tuple[float, float]],
+) -> list[float]:
+    """One optimizer step per batch index ``losses`` is asked for; returns the loss differences."""
+    optimizers, diffs = _optimizers(pair, cls, lr), []
+    for ref_loss, par_loss in losses:
+        diffs.append(abs(ref_loss - par_loss))
+        for opt in optimizers:
             opt.step()
             opt.zero_grad()
-    param_diff, worst_param = max_param_diff(reference, model, strip_ddp=strip_ddp)
-    adamw, adamw_diffs = _optimizers((reference, model), torch.optim.AdamW, ADAMW_LR), []
-    for i in range(2, STEPS):
-        r, p = step(i)
-        adamw_diffs.append(abs(r - p))
-        for opt in adamw:
-            opt.step()
-            opt.zero_grad()
-    return param_diff, worst_param, adamw_diffs
+    return diffs
 
 
 def _grad_norm_diff(reference: nn.Module, model: nn.Module) -> float:
@@ -242,34 +253,31 @@ def run_parity(
     """
     if len(batches) != STEPS or not all(0 <= dp_rank < len(b) for b in batches):
         raise ValueError(f"need {STEPS} global batches holding dp_rank {dp_rank}'s micro-batch")
-    reference, model = models()
-    if prepare_reference is not None:
-        prepare_reference(reference)
-    strip_ddp = isinstance(model, DistributedDataParallel)
 
-    def step(i: int) -> tuple[float, float]:
-        ref_loss = torch.stack([_loss(reference, b) for b in batches[i]]).mean()
-        mine = batches[i][dp_rank]
-        par_loss = _loss(model, local_inputs(mine) if local_inputs else mine)
-        ref_loss.backward()
-        _backward(par_loss)
-        return float(ref_loss.detach()), _world_mean(par_loss)
+    def fresh() -> tuple[nn.Module, nn.Module]:
+        pair = models()
+        if prepare_reference is not None:
+            prepare_reference(pair[0])
+        return pair
 
-    ref_loss, par_loss = step(0)
-    grad_diff, worst_grad = max_grad_diff(reference, model, strip_ddp=strip_ddp, relative=True)
-    grads_compared = sum(p.grad is not None for p in reference.parameters())
-    extra = {"grad_norm_diff": _grad_norm_diff(reference, model)} if clip_norm else {}
-    param_diff, worst_param, adamw_diffs = _train_on(reference, model, step, strip_ddp)
+    def losses(pair: tuple[nn.Module, nn.Module], steps: range) -> Iterator[tuple[float, float]]:
+        return (_step(pair, batches[i], dp_rank, local_inputs) for i in steps)
+
+    pair = fresh()
+    strip_ddp = isinstance(pair[1], DistributedDataParallel)
+    first = _step(pair, batches[0], dp_rank, local_inputs)
+    grad_diff, worst_grad = max_grad_diff(*pair, strip_ddp=strip_ddp, relative=True)
+    grads_compared = sum(p.grad is not None for p in pair[0].parameters())
+    extra = {"grad_norm_diff": _grad_norm_diff(*pair)} if clip_norm else {}
+    _train(pair, torch.optim.SGD, SGD_LR, itertools.chain([first], losses(pair, range(1, 2))))
+    param_diff, worst_param = max_param_diff(*pair, strip_ddp=strip_ddp)
+    # AdamW from fresh copies: its normalised steps would turn what SGD left (or a gradient that is
+    # rounding noise, e.g. a top-1 router's) into full-size, diverging updates.
+    pair = fresh()
+    adamw_diffs = _train(pair, torch.optim.AdamW, ADAMW_LR, losses(pair, range(2, STEPS)))
     if inspect is not None:
-        extra |= inspect(reference, model)
+        extra |= inspect(*pair)
+    loss_diff = abs(first[0] - first[1])
     return Parity(
-        case,
-        abs(ref_loss - par_loss),
-        grad_diff,
-        worst_grad,
-        param_diff,
-        worst_param,
-        adamw_diffs,
-        grads_compared,
-        extra,
+        case, loss_diff, grad_diff, worst_grad, param_diff, worst_param, adamw_diffs, grads_compared, extra
     )
