@@ -175,13 +175,6 @@ def test_non_finite_numbers_are_refused(override: str, message: str):
         OptimConfig(lr=float("inf"))
 
 
-def test_a_non_utf8_recipe_is_named(tmp_path: Path):
-    path = tmp_path / "r.yaml"
-    path.write_bytes(b"name: \xff\xfe\n")
-    with pytest.raises(ValueError, match=r"r\.yaml' is not UTF-8 text"):
-        load_recipe(str(path))
-
-
 def test_hf_config_keys_are_checked_against_the_config_class():
     pytest.importorskip("transformers")
     recipe = load_recipe(

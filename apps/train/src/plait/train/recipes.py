@@ -130,8 +130,6 @@ def resolve_recipe_path(name: str) -> Path:
 def _read(file: Path) -> dict[str, Any]:
     try:
         data = _yaml(file.read_text(encoding="utf-8")) or {}
-    except UnicodeDecodeError as err:
-        raise ValueError(f"recipe {str(file)!r} is not UTF-8 text (byte {err.start})") from None
     except yaml.YAMLError as err:
         raise ValueError(f"recipe {str(file)!r} is not valid YAML: {err}".replace("\n", " ")) from None
     except ValueError as err:
