@@ -12,10 +12,45 @@ from torch import nn
 
 from plait.mesh import MeshContext
 from plait.sidecar import parallelize_model
-from plait.testing import Parity, assert_parity, paired, token_batches
+from plait.testing import Inputs, Parity, assert_parity, logits_of, paired
 from plait.testing import run_parity as _drive
 
-__all__ = ["Parity", "assert_parity", "dp_coordinates", "run_parity"]
+__all__ = [
+    "Parity",
+    "assert_parity",
+    "dp_coordinates",
+    "global_batch",
+    "local_slice",
+    "logits_of",
+    "run_parity",
+]
+
+SEQ = 8
+PER_RANK_BATCH = 2
+STEPS = (0, 1, 3, 4, 5)
+"""The global batches the driver's five steps use (the MoE tests' router margins are checked on these)."""
+
+
+def global_batch(
+    vocab: int, dp_size: int, step: int, extra: Callable[[int, int], dict[str, torch.Tensor]] | None = None
+) -> dict[str, torch.Tensor]:
+    """The same global batch on every rank for ``step``: ``input_ids``, ``labels`` (+ ``extra(rows, step)``)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    rows = dp_size * PER_RANK_BATCH
+    ids = torch.randint(0, vocab, (rows, SEQ + 1), generator=gen)
+    batch = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+    return batch | (extra(rows, step) if extra is not None else {})
+
+
+def local_slice(batch: dict[str, torch.Tensor], dp_rank: int) -> dict[str, torch.Tensor]:
+    """This data-parallel rank's rows of ``batch``."""
+    lo = dp_rank * PER_RANK_BATCH
+    return {k: v[lo : lo + PER_RANK_BATCH] for k, v in batch.items()}
+
+
+def _micro_batches(batch: dict[str, torch.Tensor], dp_size: int) -> list[Inputs]:
+    slices = [local_slice(batch, r) for r in range(dp_size)]
+    return [({k: v for k, v in rows.items() if k != "labels"}, rows["labels"]) for rows in slices]
 
 
 def dp_coordinates(ctx: MeshContext) -> tuple[int, int]:
@@ -38,14 +73,14 @@ def run_parity(
 ) -> Parity:
     """Run the driver on ``build()`` parallelized with ``ctx``.
 
-    ``extra_inputs(rows, seed)`` adds inputs to each micro-batch of 2 rows; ``prepare`` is applied
-    to the reference only; ``inspect(parallel_model)`` lands in ``Parity.extra``.
+    ``extra_inputs(rows, step)`` adds inputs to the global batch; ``prepare`` is applied to the
+    reference only; ``inspect(parallel_model)`` lands in ``Parity.extra``.
     """
     dp_rank, dp_size = dp_coordinates(ctx)
-    extra = (lambda step, r: extra_inputs(2, 1000 * step + r)) if extra_inputs else None
+    batches = [_micro_batches(global_batch(vocab, dp_size, step, extra_inputs), dp_size) for step in STEPS]
     return _drive(
         paired(build, lambda model: parallelize(model, ctx)),
-        token_batches(vocab, dp_size, extra=extra),
+        batches,
         dp_rank=dp_rank,
         case=case,
         prepare_reference=prepare,
