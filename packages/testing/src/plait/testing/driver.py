@@ -73,16 +73,17 @@ class Tolerances:
 FP32 = Tolerances(loss=1e-5, grad=1e-5, param=1e-5, adamw_loss=1e-4)
 """Both sides in fp32: only summation order differs (fp32 epsilon 1.2e-7, a few hundred terms deep)."""
 
-BF16 = Tolerances(loss=5e-3, grad=5e-2, param=2e-2, adamw_loss=3e-2)
+BF16 = Tolerances(loss=5e-3, grad=5e-2, param=2e-2, adamw_loss=1e-2)
 """Parallel side in the library default (FSDP2: bf16 parameters for compute, fp32 master weights and
 fp32 gradient reduction), reference in fp32. bf16 keeps 8 significant bits (unit roundoff
 2^-9 = 2e-3) and every matmul input, activation and output is rounded, about ten roundings deep in
 the 2-layer test models, twice over for gradients (forward, then backward). Measured on the test
-models (tests/sidecar/test_bf16_parity.py, 4 gloo ranks): loss <= 7e-4, gradients <= 2.5e-2 of the
-parameter's largest reference entry (norm scales and expert weights are the worst), parameters
-after 2 SGD steps (lr 0.5) <= 9.5e-3, AdamW losses <= 1.4e-2 (MoE: routing amplifies rounding). The
-bounds are about twice those, and still refuse real defects: a missing gradient average measures
-1.37 (tests/testing/test_driver.py), a wrong shard or a dropped reduction is O(1)."""
+models (tests/sidecar/test_bf16_parity.py, 4 gloo ranks, FSDP2 / HSDP / TP+SP / MoE EP / DDP):
+loss <= 1.6e-3, gradients <= 2.8e-2 of the parameter's largest reference entry, parameters after
+2 SGD steps <= 5.6e-3, AdamW losses <= 3.7e-3. The bounds are 2-3.5 times those, and still refuse
+real defects: a missing gradient average measures > 1 (tests/testing/test_driver.py), a wrong shard
+or a dropped reduction is O(1). A bf16 MoE test must not route on near-ties (bf16 router logits
+would pick other experts than the fp32 reference): route every token to every expert."""
 
 
 @dataclass
