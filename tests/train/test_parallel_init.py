@@ -20,10 +20,10 @@ def _step(tp_size: int) -> dict[str, object]:
     """Build, parallelize (meta) and materialise the recipe's model; one loss/backward on a fixed batch."""
     import torch.distributed as dist
 
+    from plait.train.loss import loss_context, token_loss_sum
     from plait.train.optim import global_grad_norm
     from plait.train.recipes import load_recipe
     from plait.train.setup import build_mesh_context, build_parallel_model, check_recipe
-    from plait.train.trainer import _loss_context, _token_loss_sum
 
     world = dist.get_world_size()
     recipe = load_recipe(
@@ -44,8 +44,8 @@ def _step(tp_size: int) -> dict[str, object]:
     inputs, labels = ids[first : first + rows, :-1], ids[first : first + rows, 1:]
     global_tokens = ids[:, 1:].numel()
     logits = model(inputs)
-    with _loss_context(logits):
-        loss = _token_loss_sum(logits, labels)
+    with loss_context(logits):
+        loss = token_loss_sum(logits, labels)
         (loss * dp.size() / global_tokens).backward()  # the trainer's scaling: DP averages gradients
     total = torch.tensor([float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)])
     if dp.size() > 1:

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
@@ -51,6 +50,7 @@ from plait.train.integrity import (
     read_manifest,
     write_manifest,
 )
+from plait.train.rng_state import load_rng, rng_file_name, save_rng
 
 __all__ = [
     "CheckpointError",
@@ -152,24 +152,6 @@ def _owner(name: str, world: int) -> int:
 def _files_of(directory: Path) -> list[str]:
     names = (p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file())
     return sorted(n for n in names if n != MANIFEST_FILE and not n.startswith(f".{MANIFEST_FILE}"))
-
-
-def _rng_name(rank: int) -> str:
-    return f"rng/rank_{rank:05d}.safetensors"
-
-
-def _save_rng(path: Path) -> None:
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    save_file(state, str(path))
-
-
-def _load_rng(path: Path) -> None:
-    state = load_file(str(path))
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -287,7 +269,7 @@ class Checkpointer:
             "fingerprint": _global_fingerprint(self.recipe, states["model"], optimizer),
         }
         try:
-            _save_rng(tmp / _rng_name(_rank()))
+            save_rng(tmp / rng_file_name(_rank()))
             if self._group is not None:
                 future = dcp.async_save(states, checkpoint_id=str(tmp), process_group=self._group)
                 self._pending = _Pending(step, tmp, meta, future)
@@ -401,5 +383,5 @@ class Checkpointer:
         set_model_state_dict(model, states["model"])
         set_optimizer_state_dict(model, optimizer, states["optim"], options=_OPTIM_OPTIONS)
         same_layout = meta.get("layout") == self.layout
-        _load_rng(path / _rng_name(_rank() if same_layout else 0))
+        load_rng(path / rng_file_name(_rank() if same_layout else 0))
         return {k: v for k, v in meta.items() if k not in ("layout", "fingerprint")}

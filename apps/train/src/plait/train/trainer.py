@@ -18,11 +18,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import yaml
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from plait.cp import shard_sequence
 from plait.mesh import (
@@ -50,6 +48,7 @@ from plait.train.export import export_model
 from plait.train.integrity import check_finite
 from plait.train.launch import ATTEMPT_ENV
 from plait.train.lifecycle import RankLifecycle
+from plait.train.loss import IGNORE_INDEX, loss_context, token_loss_sum
 from plait.train.metrics import MetricsLogger, flops_per_token, memory_mib, peak_tflops, throughput
 from plait.train.models import hf_logits
 from plait.train.optim import build_optimizer, build_scheduler, clip_grad_norm
@@ -63,26 +62,6 @@ __all__ = ["FAIL_AT_STEP_ENV", "SetupError", "Trainer", "run"]
 
 FAIL_AT_STEP_ENV = "PLAIT_TRAIN_FAIL_AT_STEP"
 """Test hook: the last rank kills itself at this step on the first elastic attempt."""
-IGNORE_INDEX = -100
-
-
-def _is_vocab_sharded(logits: torch.Tensor) -> bool:
-    return isinstance(logits, DTensor) and any(
-        p.is_shard() and p.dim in (-1, logits.ndim - 1) for p in logits.placements
-    )
-
-
-def _loss_context(logits: torch.Tensor) -> contextlib.AbstractContextManager[None]:
-    return loss_parallel() if _is_vocab_sharded(logits) else contextlib.nullcontext()
-
-
-def _token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of token cross-entropies (call inside :func:`_loss_context`)."""
-    if isinstance(logits, DTensor) and not _is_vocab_sharded(logits):
-        logits = logits.full_tensor()
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
-    )
 
 
 def _scalar(t: torch.Tensor) -> float:
@@ -200,8 +179,8 @@ class Trainer:
                 continue
             with self._gradient_sync(i == len(batches) - 1):
                 logits = self._logits(batch)
-                with _loss_context(logits):
-                    token_loss = _token_loss_sum(logits, batch["labels"])
+                with loss_context(logits):
+                    token_loss = token_loss_sum(logits, batch["labels"])
                     (token_loss * scale).backward()
             loss_sum += _scalar(token_loss.detach())
         loss = float(self._all_reduce(loss_sum)) / max(global_tokens, 1.0)
@@ -228,7 +207,7 @@ class Trainer:
         }
 
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return _token_loss_sum(logits, labels) * self._pp_loss_scale
+        return token_loss_sum(logits, labels) * self._pp_loss_scale
 
     def _pipeline_backward(self, batch: dict[str, torch.Tensor], scale: float) -> float:
         """One micro-batch through the pipeline; return its token-loss sum.
@@ -255,8 +234,8 @@ class Trainer:
                 totals[1] += float((batch["labels"] != IGNORE_INDEX).sum())
                 continue
             logits = self._logits(batch)
-            with _loss_context(logits):
-                totals[0] += _scalar(_token_loss_sum(logits, batch["labels"]))
+            with loss_context(logits):
+                totals[0] += _scalar(token_loss_sum(logits, batch["labels"]))
             totals[1] += float((batch["labels"] != IGNORE_INDEX).sum())
         totals = self._all_reduce(totals)
         return float(totals[0] / totals[1].clamp_min(1.0))

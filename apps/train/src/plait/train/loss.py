@@ -1,0 +1,36 @@
+"""The token loss: cross entropy summed over target tokens, vocab-parallel when the logits are sharded."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+__all__ = ["IGNORE_INDEX", "is_vocab_sharded", "loss_context", "token_loss_sum"]
+
+IGNORE_INDEX = -100
+"""Label value that contributes no loss (padding, masked positions)."""
+
+
+def is_vocab_sharded(logits: torch.Tensor) -> bool:
+    """Whether ``logits`` is a DTensor sharded on its vocabulary (last) dimension."""
+    return isinstance(logits, DTensor) and any(
+        p.is_shard() and p.dim in (-1, logits.ndim - 1) for p in logits.placements
+    )
+
+
+def loss_context(logits: torch.Tensor) -> contextlib.AbstractContextManager[None]:
+    """``loss_parallel()`` for vocab-sharded logits, else a no-op context."""
+    return loss_parallel() if is_vocab_sharded(logits) else contextlib.nullcontext()
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of token cross-entropies (call inside :func:`loss_context`)."""
+    if isinstance(logits, DTensor) and not is_vocab_sharded(logits):
+        logits = logits.full_tensor()
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
+    )
