@@ -132,6 +132,8 @@ def _read(file: Path) -> dict[str, Any]:
         data = _yaml(file.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as err:
         raise ValueError(f"recipe {str(file)!r} is not valid YAML: {err}".replace("\n", " ")) from None
+    except UnicodeDecodeError:
+        raise  # a ValueError too, but the CLI names the byte and the fix (plait.train.errors)
     except ValueError as err:
         raise ValueError(f"recipe {str(file)!r}, {err}") from None
     if not isinstance(data, dict):
