@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from plait.testing import RankFailure, run_on_ranks
+from plait.testing import RankFailure, harness, run_on_ranks
 
 
 def _rank_info(offset: int) -> tuple[int, int, str, float]:
@@ -42,10 +42,10 @@ def _rank_1_raises_while_rank_0_all_reduces() -> None:
     dist.all_reduce(torch.ones(1))
 
 
-def _subgroup_count() -> int:
-    group = dist.new_group([0, 1])
-    dist.all_reduce(torch.ones(1), group=group)
-    return len(os.listdir("/proc/self/task"))
+def _new_groups(count: int) -> tuple[int, int]:
+    for _ in range(count):
+        dist.all_reduce(torch.ones(1), group=dist.new_group([0, 1]))
+    return os.getpid(), len(os.listdir("/proc/self/task"))
 
 
 def _destroy_default_group() -> bool:
@@ -99,9 +99,16 @@ def test_a_rank_stuck_in_a_collective_after_another_raised_is_reported_not_waite
     assert "all_reduce" in info.value.reports[0]
 
 
-def test_groups_created_by_a_call_are_freed_before_the_next():
-    counts = [run_on_ranks(_subgroup_count, 2)[0] for _ in range(4)]
-    assert counts[1:] == counts[:1] * 3, counts
+def test_groups_are_kept_until_the_pool_holds_too_many_then_fresh_workers_start():
+    limit = harness._MAX_SUBGROUPS
+    first = run_on_ranks(_new_groups, 2, 1)
+    second = run_on_ranks(_new_groups, 2, 1)
+    assert [pid for pid, _ in first] == [pid for pid, _ in second], "a small call keeps its workers"
+    assert second[0][1] > first[0][1], "groups are not torn down inside a live worker"
+    over = run_on_ranks(_new_groups, 2, limit)  # now past the limit: this pool is retired
+    after = run_on_ranks(_new_groups, 2, 1)
+    assert {pid for pid, _ in after}.isdisjoint(pid for pid, _ in over)
+    assert after[0][1] < over[0][1], "the fresh workers hold only the new call's threads"
 
 
 def test_a_hang_gives_rank_failure_with_stacks_and_the_next_call_works():

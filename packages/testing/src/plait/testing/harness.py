@@ -6,6 +6,12 @@ process already imported) once; a fresh pool of 8 ranks then starts in well unde
 of importing torch 8 times. Every worker holds an initialised default process group (gloo, CPU).
 A call that raises, dies or hangs on any rank discards the pool; the next call starts a fresh one,
 so a broken collective never leaks into another test.
+
+Process groups a call creates (meshes) are never destroyed inside a live worker: tearing a gloo
+group down while its peers tear down theirs races in gloo's event loop (the workers died with
+SIGSEGV / general protection faults in the `pt_gloo_runloop` thread, torch 2.15). Instead, a pool
+whose workers hold more than `_MAX_SUBGROUPS` groups (each holds threads and sockets) is retired
+after the call, all its ranks killed together, and the next call starts fresh workers.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ _HOST = "127.0.0.1"
 _MAX_WORLD_SIZE = 8
 _MAX_LIVE_WORKERS = 15
 """Worker processes kept alive across pools (1 + 2 + 4 + 8); least recently used pools go first."""
+_MAX_SUBGROUPS = 96
+"""Live non-default process groups per worker after which its pool is replaced (~3 threads each)."""
 _PG_TIMEOUT = timedelta(seconds=120)
 _STARTUP_TIMEOUT_S = 600.0
 _ERROR_GRACE_S = 5.0
@@ -149,8 +157,9 @@ class _Pool:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.owner_pid = os.getpid()
-        self.calls = 0
         self.closed = False
+        self.worn_out = False
+        """Set when a rank asks for fresh workers (see `_Worker.call`); the pool is then discarded."""
         self.store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False, timeout=_PG_TIMEOUT)
         self.tmpdir = tempfile.mkdtemp(prefix=f"plait-ranks{world_size}-")
         self.stack_files = [os.path.join(self.tmpdir, f"rank{r}.stack") for r in range(world_size)]
@@ -191,10 +200,9 @@ class _Pool:
         return not self.closed and all(proc.is_alive() for proc in self.procs)
 
     def run(self, payload: bytes, timeout: float, label: str) -> list[Any]:
-        self.calls += 1
         try:
             for conn in self.conns:
-                conn.send(("run", self.calls, list(sys.path), payload))
+                conn.send(("run", list(sys.path), payload))
             replies, errors, hung = self._collect(time.monotonic() + timeout)
         except BaseException:
             _discard(self)
@@ -209,6 +217,8 @@ class _Pool:
                 )
         if errors or hung:
             self._fail(label, errors, hung, timeout)
+        if self.worn_out:
+            _discard(self)
         return results
 
     def _collect(self, deadline: float) -> tuple[dict[int, bytes], dict[int, str], list[int]]:
@@ -225,10 +235,12 @@ class _Pool:
             for conn in ready:
                 rank = pending.pop(conn)  # type: ignore[index]
                 try:
-                    status, data = conn.recv()  # type: ignore[union-attr]
+                    status, data, worn_out = conn.recv()  # type: ignore[union-attr]
                 except (EOFError, OSError):
                     self.procs[rank].join(timeout=1.0)
                     status, data = "err", f"worker process died (exit code {self.procs[rank].exitcode})"
+                    worn_out = True
+                self.worn_out |= worn_out
                 if status == "ok":
                     replies[rank] = data
                     continue
@@ -315,9 +327,9 @@ def _worker_main(
     try:
         worker = _Worker(rank, world_size, port)
     except BaseException:
-        conn.send(("err", traceback.format_exc()))
+        conn.send(("err", traceback.format_exc(), True))
         os._exit(1)
-    conn.send(("ok", b""))
+    conn.send(("ok", b"", False))
     while True:
         try:
             message = conn.recv()
@@ -325,8 +337,8 @@ def _worker_main(
             break
         if message[0] == "stop":
             break
-        _, call_id, paths, payload = message
-        conn.send(worker.call(call_id, paths, payload))
+        _, paths, payload = message
+        conn.send(worker.call(paths, payload))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown: the gloo group needs no goodbye
@@ -340,36 +352,25 @@ class _Worker:
         self.world_size = world_size
         self.store = dist.TCPStore(_HOST, port, is_master=False, timeout=_PG_TIMEOUT)
         self.group: dist.ProcessGroup | None = None
-        self._init_group("init")
+        self._init_group()
 
-    def _init_group(self, tag: str) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    def _init_group(self) -> None:
         dist.init_process_group(
             "gloo",
-            store=dist.PrefixStore(f"plait/pg/{tag}", self.store),
+            store=dist.PrefixStore("plait/pg", self.store),
             rank=self.rank,
             world_size=self.world_size,
             timeout=_PG_TIMEOUT,
         )
         self.group = dist.group.WORLD
 
-    def _start_together(self, call_id: int) -> None:
-        """Store-based barrier; if any rank lost the default group (fn destroyed it), all re-create it."""
-        lost = not (dist.is_initialized() and dist.group.WORLD is self.group)
-        self.store.set(f"plait/call/{call_id}/{self.rank}", "1" if lost else "0")
-        keys = [f"plait/call/{call_id}/{r}" for r in range(self.world_size)]
-        self.store.wait(keys)
-        if any(self.store.get(key) == b"1" for key in keys):
-            self._init_group(f"call{call_id}")
-        else:
-            _destroy_subgroups()
-
-    def call(self, call_id: int, paths: list[str], payload: bytes) -> tuple[str, Any]:
+    def call(self, paths: list[str], payload: bytes) -> tuple[str, Any, bool]:
+        """Run one payload; the flag asks the test process to retire this pool after the call."""
         _merge_sys_path(paths)
         try:
             fn, args = pickle.loads(payload)
-            self._start_together(call_id)
+            # Each call sees DTensor's sharding cache empty, as a fresh process would.
+            _clear_sharding_prop_cache()
             torch.manual_seed(0)
             random.seed(0)
             np.random.seed(0)
@@ -377,22 +378,14 @@ class _Worker:
             torch.set_grad_enabled(True)
             result = fn(*args)
         except BaseException:
-            return "err", traceback.format_exc()
+            return "err", traceback.format_exc(), True
         try:
-            return "ok", pickle.dumps(result)
+            return "ok", pickle.dumps(result), self._worn_out()
         except Exception:
-            return "err", f"the return value cannot be pickled:\n{traceback.format_exc()}"
+            return "err", f"the return value cannot be pickled:\n{traceback.format_exc()}", True
 
-
-def _destroy_subgroups() -> None:
-    """Free the groups earlier calls created (meshes); each holds gloo threads and sockets otherwise.
-
-    Safe only while every rank is between calls, which the store barrier guarantees.
-    """
-    world = dist.group.WORLD
-    for group in list(dist.distributed_c10d._world.pg_map):
-        if group is not world:
-            dist.destroy_process_group(group)
-    # Meshes compare equal by layout, so DTensor's sharding cache could hand a later call a mesh whose
-    # groups were just destroyed ("Could not resolve the process group").
-    _clear_sharding_prop_cache()
+    def _worn_out(self) -> bool:
+        """Whether the call destroyed the default group or the live groups passed the limit."""
+        if not (dist.is_initialized() and dist.group.WORLD is self.group):
+            return True
+        return len(dist.distributed_c10d._world.pg_map) - 1 > _MAX_SUBGROUPS
