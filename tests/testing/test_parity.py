@@ -70,6 +70,21 @@ def test_wrapped_parameter_names_match_the_reference():
     assert max_grad_diff(ref, wrapper, strip_ddp=True)[0] == 0.0
 
 
+def test_subset_compares_only_the_parameters_the_parallel_side_holds():
+    ref, par = _pair()
+    del par.lm_head  # a pipeline rank without the last stage
+    assert max_grad_diff(ref, par, subset=True)[0] == 0.0
+    par.model.layers[1].mlp.down_proj.weight.grad[0, 0] += 0.5
+    assert max_grad_diff(ref, par, subset=True)[1] == "model.layers.1.mlp.down_proj.weight"
+    with pytest.raises(AssertionError, match=r"missing in the parallel model \['lm_head\.weight'\]"):
+        max_param_diff(ref, par)
+    par.extra = nn.Linear(2, 2)
+    with pytest.raises(
+        AssertionError, match=r"only in the parallel model \['extra\.bias', 'extra\.weight'\]"
+    ):
+        max_param_diff(ref, par, subset=True)
+
+
 def test_mismatched_names_and_one_sided_none_grads_fail_loudly():
     ref, par = _pair()
     untied = DenseDecoder(DecoderConfig(tie_word_embeddings=True))

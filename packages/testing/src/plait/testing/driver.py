@@ -100,6 +100,8 @@ class Parity:
     adamw_loss_diffs: list[float]
     grads_compared: int
     extra: dict[str, Any] = field(default_factory=dict)
+    reference_losses: list[float] = field(default_factory=list)
+    """The reference's loss at each of the ``STEPS`` steps (a test can check that training moved it)."""
 
     def check(self, tol: Tolerances = FP32) -> None:
         """Assert every measurement is within ``tol`` (NaN fails)."""
@@ -186,35 +188,50 @@ def token_batches(
     return out
 
 
-def _optimizers(models: tuple[nn.Module, nn.Module], cls: type[torch.optim.Optimizer], lr: float) -> list:
+def _optimizers(models: tuple[Any, Any], cls: type[torch.optim.Optimizer], lr: float) -> list:
     return [cls([p for p in m.parameters() if p.requires_grad], lr=lr) for m in models]
 
 
-def _step(
-    pair: tuple[nn.Module, nn.Module],
-    batches: list[Inputs],
-    dp_rank: int,
-    local: Callable[[Inputs], Inputs] | None,
-) -> tuple[float, float]:
-    """Forward and backward of one global batch: the reference's loss and the world mean of the parallel one."""
-    reference, model = pair
-    ref_loss = torch.stack([_loss(reference, b) for b in batches]).mean()
-    mine = batches[dp_rank]
-    par_loss = _loss(model, local(mine) if local else mine)
-    ref_loss.backward()
-    _backward(par_loss)
-    return float(ref_loss.detach()), _world_mean(par_loss)
+def _default_step(model: nn.Module, batch: Inputs) -> torch.Tensor:
+    loss = _loss(model, batch)
+    _backward(loss)
+    return loss
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one parity run feeds and steps the pair (the hooks of :func:`run_parity`)."""
+
+    batches: list[list[Inputs]]
+    dp_rank: int
+    local: Callable[[Inputs], Inputs] | None
+    parallel_step: Callable[[Any, Inputs], torch.Tensor]
+
+    def step(self, pair: tuple[nn.Module, Any], index: int) -> tuple[float, float]:
+        """Forward and backward of global batch ``index``: the reference's loss and the world mean of the parallel one."""
+        reference, model = pair
+        batches = self.batches[index]
+        ref_loss = torch.stack([_loss(reference, b) for b in batches]).mean()
+        mine = batches[self.dp_rank]
+        par_loss = self.parallel_step(model, self.local(mine) if self.local else mine)
+        ref_loss.backward()
+        return float(ref_loss.detach()), _world_mean(par_loss)
+
+    def losses(self, pair: tuple[nn.Module, Any], steps: range) -> Iterator[tuple[float, float]]:
+        return (self.step(pair, i) for i in steps)
 
 
 def _train(
-    pair: tuple[nn.Module, nn.Module],
+    pair: tuple[nn.Module, Any],
     cls: type[torch.optim.Optimizer],
     lr: float,
     losses: Iterable[tuple[float, float]],
+    reference_losses: list[float],
 ) -> list[float]:
     """One optimizer step per batch index ``losses`` is asked for; returns the loss differences."""
     optimizers, diffs = _optimizers(pair, cls, lr), []
     for ref_loss, par_loss in losses:
+        reference_losses.append(ref_loss)
         diffs.append(abs(ref_loss - par_loss))
         for opt in optimizers:
             opt.step()
@@ -228,15 +245,17 @@ def _grad_norm_diff(reference: nn.Module, model: nn.Module) -> float:
 
 
 def run_parity(
-    models: Callable[[], tuple[nn.Module, nn.Module]],
+    models: Callable[[], tuple[nn.Module, Any]],
     batches: list[list[Inputs]],
     *,
     dp_rank: int,
     case: str = "",
     prepare_reference: Callable[[nn.Module], None] | None = None,
-    inspect: Callable[[nn.Module, nn.Module], dict[str, Any]] | None = None,
+    inspect: Callable[[nn.Module, Any], dict[str, Any]] | None = None,
     clip_norm: bool = False,
     local_inputs: Callable[[Inputs], Inputs] | None = None,
+    parallel_step: Callable[[Any, Inputs], torch.Tensor] | None = None,
+    subset: bool = False,
 ) -> Parity:
     """Train the pair on ``batches`` (``batches[step][dp_rank]`` is this rank's micro-batch) and compare.
 
@@ -251,31 +270,45 @@ def run_parity(
         clip_norm: also record ``extra["grad_norm_diff"]``, torch's plain ``clip_grad_norm_`` on both.
         local_inputs: what the parallel model sees of its micro-batch (e.g. a context-parallel rank's
             sequence slice with its global ``position_ids``); the mean loss must stay the world mean.
+        parallel_step: ``(parallel, micro_batch) -> loss``, forward and backward of the parallel side
+            (e.g. a pipeline schedule's step); default: the driver's loss and its backward.
+        subset: the parallel side holds only some of the reference's parameters (a pipeline rank's
+            stages, under the full model's names); only those are compared.
     """
     if len(batches) != STEPS or not all(0 <= dp_rank < len(b) for b in batches):
         raise ValueError(f"need {STEPS} global batches holding dp_rank {dp_rank}'s micro-batch")
-
-    def fresh() -> tuple[nn.Module, nn.Module]:
-        pair = models()
-        if prepare_reference is not None:
-            prepare_reference(pair[0])
-        return pair
-
-    def losses(pair: tuple[nn.Module, nn.Module], steps: range) -> Iterator[tuple[float, float]]:
-        return (_step(pair, batches[i], dp_rank, local_inputs) for i in steps)
-
-    pair = fresh()
-    strip_ddp = isinstance(pair[1], DistributedDataParallel)
-    first = _step(pair, batches[0], dp_rank, local_inputs)
-    grad_diff, worst_grad = max_grad_diff(*pair, strip_ddp=strip_ddp, relative=True)
-    grads_compared = sum(p.grad is not None for p in pair[0].parameters())
-    extra = {"grad_norm_diff": _grad_norm_diff(*pair)} if clip_norm else {}
-    _train(pair, torch.optim.SGD, SGD_LR, itertools.chain([first], losses(pair, range(1, 2))))
-    param_diff, worst_param = max_param_diff(*pair, strip_ddp=strip_ddp)
-    adamw_diffs = _train(pair, torch.optim.AdamW, ADAMW_LR, losses(pair, range(2, STEPS)))
+    plan = _Plan(batches, dp_rank, local_inputs, parallel_step or _default_step)
+    pair = models()
+    if prepare_reference is not None:
+        prepare_reference(pair[0])
+    parity = _measure(pair, plan, case, subset=subset, clip_norm=clip_norm)
     if inspect is not None:
-        extra |= inspect(*pair)
+        parity.extra |= inspect(*pair)
+    return parity
+
+
+def _measure(pair: tuple[nn.Module, Any], plan: _Plan, case: str, *, subset: bool, clip_norm: bool) -> Parity:
+    """Step 0's loss and gradients, the parameters after 2 SGD steps, then the AdamW losses."""
+    strip_ddp = isinstance(pair[1], DistributedDataParallel)
+    first = plan.step(pair, 0)
+    grad_diff, worst_grad = max_grad_diff(*pair, strip_ddp=strip_ddp, relative=True, subset=subset)
+    grads_compared = sum(p.grad is not None for p in pair[1].parameters())
+    extra = {"grad_norm_diff": _grad_norm_diff(*pair)} if clip_norm else {}
+    ref_losses: list[float] = []
+    sgd_losses = itertools.chain([first], plan.losses(pair, range(1, 2)))
+    _train(pair, torch.optim.SGD, SGD_LR, sgd_losses, ref_losses)
+    param_diff, worst_param = max_param_diff(*pair, strip_ddp=strip_ddp, subset=subset)
+    adamw_diffs = _train(pair, torch.optim.AdamW, ADAMW_LR, plan.losses(pair, range(2, STEPS)), ref_losses)
     loss_diff = abs(first[0] - first[1])
     return Parity(
-        case, loss_diff, grad_diff, worst_grad, param_diff, worst_param, adamw_diffs, grads_compared, extra
+        case,
+        loss_diff,
+        grad_diff,
+        worst_grad,
+        param_diff,
+        worst_param,
+        adamw_diffs,
+        grads_compared,
+        extra,
+        ref_losses,
     )

@@ -49,11 +49,14 @@ def _named(model: nn.Module, strip_ddp: bool) -> dict[str, nn.Parameter]:
 
 
 def _paired(
-    ref_model: nn.Module, par_model: nn.Module, strip_ddp: bool
+    ref_model: nn.Module, par_model: nn.Module, strip_ddp: bool, subset: bool = False
 ) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
     ref, par = _named(ref_model, strip_ddp), _named(par_model, strip_ddp)
+    if subset and par.keys() <= ref.keys():
+        return [(name, ref[name], par[name]) for name in sorted(par)]
     if ref.keys() != par.keys():
-        missing, extra = sorted(ref.keys() - par.keys()), sorted(par.keys() - ref.keys())
+        missing = [] if subset else sorted(ref.keys() - par.keys())
+        extra = sorted(par.keys() - ref.keys())
         raise AssertionError(
             f"parameter names differ after cleaning: missing in the parallel model {missing}, "
             f"only in the parallel model {extra} (tied weights lost? a wrapper prefix not stripped?)"
@@ -93,7 +96,12 @@ def _largest_grad(model: nn.Module) -> float:
 
 
 def max_grad_diff(
-    ref_model: nn.Module, par_model: nn.Module, *, strip_ddp: bool = False, relative: bool = False
+    ref_model: nn.Module,
+    par_model: nn.Module,
+    *,
+    strip_ddp: bool = False,
+    relative: bool = False,
+    subset: bool = False,
 ) -> tuple[float, str]:
     """Largest gradient difference over parameters matched by cleaned name, and its name.
 
@@ -101,11 +109,12 @@ def max_grad_diff(
     by :data:`RELATIVE_FLOOR` times the model's largest reference gradient entry when that is larger:
     a gradient that is zero by construction (a top-1 router's, say) holds only rounding noise, which
     no scale of its own can measure. Parameters whose gradient is None on both sides are skipped;
-    None on one side only fails.
+    None on one side only fails. With ``subset`` the parallel model may hold only some of the
+    reference's parameters (a pipeline rank's stages); only those are compared.
     """
     floor = RELATIVE_FLOOR * _largest_grad(ref_model) if relative else 0.0
     worst, worst_name = 0.0, ""
-    for name, ref, par in _paired(ref_model, par_model, strip_ddp):
+    for name, ref, par in _paired(ref_model, par_model, strip_ddp, subset):
         if ref.grad is None and par.grad is None:
             continue
         if ref.grad is None or par.grad is None:
@@ -120,11 +129,14 @@ def max_grad_diff(
 
 
 def max_param_diff(
-    ref_model: nn.Module, par_model: nn.Module, *, strip_ddp: bool = False
+    ref_model: nn.Module, par_model: nn.Module, *, strip_ddp: bool = False, subset: bool = False
 ) -> tuple[float, str]:
-    """Largest absolute parameter difference over parameters matched by cleaned name, and its name."""
+    """Largest absolute parameter difference over parameters matched by cleaned name, and its name.
+
+    ``subset`` as in :func:`max_grad_diff`.
+    """
     worst, worst_name = 0.0, ""
-    for name, ref, par in _paired(ref_model, par_model, strip_ddp):
+    for name, ref, par in _paired(ref_model, par_model, strip_ddp, subset):
         diff = _max_abs_diff(name, ref, par)
         worst, worst_name = _worse(worst, worst_name, diff, name)
     return worst, worst_name
