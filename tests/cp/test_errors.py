@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from plait.cp import apply_context_parallel, global_positions
-from plait.mesh import FSDP2Config, MegatronFSDPConfig, MeshContext, ParallelismSizes
+from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
 from tests.cp._cp_parity import build_model
 
 
@@ -58,22 +58,6 @@ def test_sliding_window_and_dropout_are_refused(fake_pg) -> None:
         with pytest.raises(ValueError, match=r"attention_dropout=0\.1"):
             apply_context_parallel(llama, _ctx())
         assert llama.config._attn_implementation == "sdpa"  # nothing changed
-
-
-@pytest.mark.parametrize(
-    ("config", "sizes", "match"),
-    [
-        (MegatronFSDPConfig(), {}, "built for FSDP2 only, got MegatronFSDPConfig"),
-        (FSDP2Config(mp_policy=None), {"ep_size": 2}, "with ep_size=2 is not built"),
-    ],
-)
-def test_unbuilt_combinations_are_refused(fake_pg, config, sizes, match) -> None:
-    """parallelize_model refuses them before any strategy runs (the MoE and Megatron-FSDP paths included)."""
-    parallelize_model = pytest.importorskip("plait.sidecar").parallelize_model
-    with fake_pg(4):
-        ctx = MeshContext.build(config, ParallelismSizes(cp_size=2, **sizes))
-        with pytest.raises(ValueError, match=match):
-            parallelize_model(build_model("llama"), ctx)
 
 
 def test_config_names_the_variant() -> None:

@@ -9,12 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
 from plait.testing import run_on_ranks
 from tests.cp._cp_parity import cp_parity
-
-pytest.importorskip("plait.sidecar", reason="end to end through parallelize_model (plait-sidecar)")
 
 TWO_RANKS: list[tuple[Any, ...]] = [
     ("llama", {"cp_size": 2}, {"cp_attention": "all_gather"}),

@@ -8,10 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
-pytest.importorskip("plait.train", reason="the trainer (plait-train)")
-
 from plait.testing import run_on_ranks
 
 RECIPE = [
