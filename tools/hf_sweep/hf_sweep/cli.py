@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hf_sweep.family import CASES
+from hf_sweep.family import CASES, run_family
 from hf_sweep.report import markdown_table, summary
 
 HERE = Path(__file__).resolve().parent.parent
@@ -42,6 +42,24 @@ def _run_family(model_type: str, timeout: float, case_timeout: float) -> list[di
     return records
 
 
+def _run_in_process(model_type: str, case_timeout: float) -> list[dict[str, Any]]:
+    try:
+        return list(run_family(model_type, case_timeout))
+    except Exception as exc:  # building the family's config or model failed outside the ranks
+        message = f"{type(exc).__name__}: {str(exc)[:400]}"
+        return [{"family": model_type, "case": n, "status": "crash", "message": message} for n, _, _ in CASES]
+
+
+def _finished(jsonl: Path) -> set[str]:
+    if not jsonl.exists():
+        return set()
+    records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    cases: dict[str, set[str]] = {}
+    for r in records:
+        cases.setdefault(r["family"], set()).add(r["case"])
+    return {family for family, done in cases.items() if len(done) == len(CASES)}
+
+
 def _line(r: dict[str, Any]) -> str:
     if r["status"] in ("pass", "mismatch"):
         detail = (
@@ -62,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1500.0, help="seconds per family (all cases)")
     parser.add_argument("--case-timeout", type=float, default=450.0, help="seconds per mesh configuration")
     parser.add_argument("--report-only", action="store_true", help="rebuild the report from results.jsonl")
+    parser.add_argument(
+        "--isolate",
+        action="store_true",
+        help="one subprocess per family (also survives a crash of the test process itself; slower)",
+    )
+    parser.add_argument("--resume", action="store_true", help="skip families already in results.jsonl")
     args = parser.parse_args(argv)
     from hf_sweep.configs import sweep_families
 
@@ -69,10 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     jsonl = args.out / "results.jsonl"
     if not args.report_only:
         families = sweep_families([f for f in args.families.split(",") if f] or None)
+        if args.resume:
+            families = [f for f in families if f not in _finished(jsonl)]
         print(f"# {len(families)} families, cases {[c[0] for c in CASES]}", flush=True)
         for model_type in families:
             start = time.monotonic()
-            records = _run_family(model_type, args.timeout, args.case_timeout)
+            if args.isolate:
+                records = _run_family(model_type, args.timeout, args.case_timeout)
+            else:
+                records = _run_in_process(model_type, args.case_timeout)
             with jsonl.open("a") as f:
                 for r in records:
                     r["seconds"] = round(time.monotonic() - start, 1)
