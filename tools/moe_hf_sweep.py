@@ -16,10 +16,6 @@ from dataclasses import asdict
 from plait.testing import run_on_ranks
 from tests.sidecar._hf_moe import FAMILIES, LAYOUTS, available, hf_parity
 
-_NO_TP = {"deepseek_v3", "gpt_oss", "olmoe"}
-"""MLA projections / attention sinks / full-width q-k norms: the attention-only TP plan does not apply."""
-
-
 def _rank_body(cases: list[tuple[str, str]]) -> list[dict]:
     out = []
     for family, layout in cases:
@@ -40,7 +36,7 @@ def _rank_body(cases: list[tuple[str, str]]) -> list[dict]:
 
 def main() -> None:
     families = sys.argv[1:] or [f for f in FAMILIES if available(f)]
-    cases = [(f, layout) for f in families for layout in LAYOUTS if not ("tp" in layout and f in _NO_TP)]
+    cases = [(f, layout) for f in families for layout in LAYOUTS]
     for row in run_on_ranks(_rank_body, 4, cases, timeout=3000)[0]:
         print(json.dumps(row), flush=True)
 

@@ -81,13 +81,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 SEEDS = {"mixtral": 12, "qwen2_moe": 2, "qwen3_moe": 1, "olmoe": 13, "deepseek_v3": 2, "gpt_oss": 1}
 """Init seed per family whose reference keeps a >= 2e-3 router margin (:func:`reference_margin`)."""
-ATTENTION_TP_PLAN = {
-    "model.layers.*.self_attn.q_proj": "colwise",
-    "model.layers.*.self_attn.k_proj": "colwise",
-    "model.layers.*.self_attn.v_proj": "colwise",
-    "model.layers.*.self_attn.o_proj": "rowwise",
-}
 LAYOUTS = {"ep=2": {"ep_size": 2}, "ep=4": {"ep_size": 4}, "ep=2 x tp=2": {"ep_size": 2, "tp_size": 2}}
+"""On 4 ranks: ep=2 is ep_shard=2 x ep=2. Under tp=2 the model's own Hugging Face plan applies (its
+expert entries dropped: the experts are expert-parallel)."""
 
 
 def available(family: str) -> bool:
@@ -183,7 +179,7 @@ def reference_margin(family: str, seed: int) -> float:
 def hf_parity(family: str, layout: str, seed: int | None = None) -> HFResult:
     """Run one family at one layout of :data:`LAYOUTS` on the current ranks."""
     sizes = LAYOUTS[layout]
-    config = FSDP2Config(mp_policy=None, tp_plan=ATTENTION_TP_PLAN if "tp_size" in sizes else None)
+    config = FSDP2Config(mp_policy=None)
     ctx = MeshContext.build(config, ParallelismSizes(**sizes))
     result = HFResult(f"{family} {layout}")
     ref = build(family, seed)

@@ -46,3 +46,27 @@ def test_experts_not_divisible_by_ep_are_refused_naming_the_numbers(fake_pg: Any
             match=r"num_experts \(4\) of 'model.layers.0.mlp.experts' must be divisible by ep_size \(8\)",
         ):
             parallelize_model(model, ctx)
+
+
+def test_own_hf_plan_under_ep_x_tp_leaves_experts_to_ep_and_a_user_plan_on_them_is_refused(
+    fake_pg: Any,
+) -> None:
+    model = build("mixtral")
+    own_plan = {f"model.{k}": v for k, v in model.config.base_model_tp_plan.items()}
+    assert "model.layers.*.mlp.experts" in own_plan  # the HF plan shards the experts (moe_tp_experts)
+    with fake_pg(4):
+        ctx = MeshContext.build(FSDP2Config(mp_policy=None), ParallelismSizes(ep_size=2, tp_size=2))
+        par = parallelize_model(model, ctx)
+        experts = par.model.layers[0].mlp.experts.gate_up_proj
+        q_proj = par.model.layers[0].self_attn.q_proj.weight
+        assert experts.device_mesh.mesh_dim_names == ("ep_shard", "ep"), experts.device_mesh
+        assert q_proj.device_mesh.mesh_dim_names == ("dp_shard", "tp"), q_proj.device_mesh
+        user_plan = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.mlp.gate": "replicate"}
+        user = MeshContext.build(
+            FSDP2Config(mp_policy=None, tp_plan=user_plan), ParallelismSizes(ep_size=2, tp_size=2)
+        )
+        with pytest.raises(
+            ValueError,
+            match=r"pattern 'model.layers.\*.mlp.gate' matches .*router 'model.layers.0.mlp.gate'.* remove the pattern",
+        ):
+            parallelize_model(build("mixtral"), user)

@@ -91,6 +91,23 @@ def test_tp_plan_may_not_touch_experts_routers_or_gates(fake_pg: Any, pattern: s
     assert _untouched(model)
 
 
+def test_model_default_plan_drops_expert_and_router_entries_but_refuses_mixed_patterns(fake_pg: Any) -> None:
+    model = MoEDecoder(MoEDecoderConfig())
+    attention = {"model.layers.*.self_attn.q_proj": "colwise"}
+    default = attention | {"model.layers.*.mlp.experts": "colwise", "model.layers.*.mlp.router": "replicate"}
+    with fake_pg(4):
+        ctx = MeshContext.build(FSDP2Config(mp_policy=None), ParallelismSizes(tp_size=2, ep_size=2))
+        assert validate_moe_tp_plan(model, default, ctx, model_default=True) == attention
+        with pytest.raises(
+            ValueError, match=r"'model.layers.1.\*' .*router .* pass a tp_plan without it"
+        ):
+            validate_moe_tp_plan(model, {"model.layers.1.*": "colwise"}, ctx, model_default=True)
+        one = MeshContext.build(FSDP2Config(mp_policy=None), ParallelismSizes(tp_size=2))
+        assert (
+            validate_moe_tp_plan(model, default, one, model_default=True) == default
+        )  # ep 1: TP shards experts
+
+
 @pytest.mark.parametrize(
     "options",
     [{"sequence_parallel": True}, {"sequence_parallel": True, "enable_async_tensor_parallel": True}],

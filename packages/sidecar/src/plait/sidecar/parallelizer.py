@@ -35,6 +35,7 @@ from plait.strategies import (
     wraps_root,
 )
 from plait.tp import apply_tp, enable_async_tp, resolve_tp_plan, validate_tp_mesh
+from plait.tp.registry import model_class_plan
 
 if TYPE_CHECKING:
     from plait.mesh import MeshContext
@@ -136,7 +137,10 @@ class ModelParallelizer:
             model_plan=self.tp_plan,
             finalize=self._finalize_tp_plan,
         )
-        validate_moe_tp_plan(model, plan, mesh_context)
+        # The model's own default plan (Hugging Face's) may shard experts; under ep > 1 EP owns them.
+        default = cfg.tp_plan is None and self.tp_plan is None and model_class_plan(model) is None
+        default = default and type(self)._finalize_tp_plan is ModelParallelizer._finalize_tp_plan
+        plan = validate_moe_tp_plan(model, plan, mesh_context, model_default=default)
         apply_tp(model, tp_mesh, plan)  # re-ties embeddings, rewrites local head counts
         if cfg.enable_async_tensor_parallel:
             enable_async_tp(tp_mesh, sequence_parallel=cfg.sequence_parallel)

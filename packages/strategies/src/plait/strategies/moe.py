@@ -15,6 +15,7 @@ dense units' average, so each experts unit gets ``set_gradient_divide_factor(moe
 from __future__ import annotations
 
 import fnmatch
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -42,6 +43,7 @@ __all__ = [
 ]
 
 ShardFn = Callable[..., nn.Module]
+_log = logging.getLogger(__name__)
 
 
 def _check_mesh_tiling(mesh_context: MeshContext) -> None:
@@ -114,25 +116,51 @@ def check_expert_parallel(model: nn.Module, mesh_context: MeshContext) -> list[M
     return blocks
 
 
-def validate_moe_tp_plan(model: nn.Module, plan: Mapping[str, Any], mesh_context: MeshContext) -> None:
-    """Under ep > 1, no TP plan pattern may touch an experts module, a router or a gate (or anything inside).
+def validate_moe_tp_plan(
+    model: nn.Module, plan: Mapping[str, Any], mesh_context: MeshContext, *, model_default: bool = False
+) -> dict[str, Any]:
+    """Under ep > 1, keep experts, routers and gates out of the TP plan; return the plan to apply.
+
+    Experts are expert-parallel and routers/gates stay replicated, so no pattern may touch them (or
+    anything inside them). A user-written plan (``FSDP2Config.tp_plan``, a sidecar's plan, a plan
+    registered for the class) touching them is refused. The model's own default plan (a Hugging Face
+    ``base_model_tp_plan`` shards experts with ``moe_tp_experts``) has those entries dropped, each
+    named in a log record; a default pattern matching both protected and other modules is refused.
+    At ep 1 the plan is returned unchanged.
 
     Raises:
         ValueError: naming the pattern and the protected module it matches.
     """
     if mesh_context.ep_size == 1:
-        return
+        return dict(plan)
     blocks = find_moe_blocks(model, mesh_context.ep_size)
     protected = [fqn for b in blocks for fqn in (b.experts_fqn, b.router_fqn) if fqn is not None]
     names = [name for name, _ in model.named_modules() if name]
-    for pattern in plan:
-        for name in fnmatch.filter(names, pattern):
-            hit = next((p for p in protected if name == p or name.startswith(p + ".")), None)
-            if hit is not None:
-                raise ValueError(
-                    f"tp_plan pattern {pattern!r} matches {name!r}, inside MoE experts/router {hit!r}; "
-                    "experts are expert-parallel and routers/gates stay replicated - remove the pattern"
-                )
+    kept: dict[str, Any] = {}
+    for pattern, style in plan.items():
+        matches = fnmatch.filter(names, pattern)
+        hits = [(n, hit) for n in matches if (hit := _protector(n, protected)) is not None]
+        if not hits:
+            kept[pattern] = style
+        elif model_default and len(hits) == len(matches):
+            _log.info(
+                "ep_size %d: dropped the default TP plan entry %r (experts are expert-parallel)",
+                mesh_context.ep_size,
+                pattern,
+            )
+        else:
+            name, hit = hits[0]
+            fix = "pass a tp_plan without it" if model_default else "remove the pattern"
+            raise ValueError(
+                f"tp_plan pattern {pattern!r} matches {name!r}, inside MoE experts/router {hit!r}; "
+                f"experts are expert-parallel and routers/gates stay replicated - {fix}"
+            )
+    return kept
+
+
+def _protector(name: str, protected: list[str]) -> str | None:
+    """The experts / router FQN that ``name`` is or lies inside, else None."""
+    return next((p for p in protected if name == p or name.startswith(p + ".")), None)
 
 
 def apply_expert_parallel(model: nn.Module, mesh_context: MeshContext) -> None:
