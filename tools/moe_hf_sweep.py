@@ -16,6 +16,7 @@ from dataclasses import asdict
 from plait.testing import run_on_ranks
 from tests.sidecar._hf_moe import FAMILIES, LAYOUTS, available, hf_parity
 
+
 def _rank_body(cases: list[tuple[str, str]]) -> list[dict]:
     out = []
     for family, layout in cases:

@@ -98,9 +98,7 @@ def test_model_default_plan_drops_expert_and_router_entries_but_refuses_mixed_pa
     with fake_pg(4):
         ctx = MeshContext.build(FSDP2Config(mp_policy=None), ParallelismSizes(tp_size=2, ep_size=2))
         assert validate_moe_tp_plan(model, default, ctx, model_default=True) == attention
-        with pytest.raises(
-            ValueError, match=r"'model.layers.1.\*' .*router .* pass a tp_plan without it"
-        ):
+        with pytest.raises(ValueError, match=r"'model.layers.1.\*' .*router .* pass a tp_plan without it"):
             validate_moe_tp_plan(model, {"model.layers.1.*": "colwise"}, ctx, model_default=True)
         one = MeshContext.build(FSDP2Config(mp_policy=None), ParallelismSizes(tp_size=2))
         assert (
