@@ -14,6 +14,7 @@ from plait.testing.driver import (
 )
 from plait.testing.fake_pg import fake_process_group
 from plait.testing.harness import RankFailure, run_on_ranks
+from plait.testing.hf_models import TINY_HF_SIZES, tiny_hf_config, tiny_hf_model
 from plait.testing.models import NestedContainerModel, lm_loss, make_batch
 from plait.testing.parity import (
     clean_fqn,
@@ -25,6 +26,7 @@ from plait.testing.parity import (
 __all__ = [
     "BF16",
     "FP32",
+    "TINY_HF_SIZES",
     "Inputs",
     "Parity",
     "Tolerances",
@@ -43,4 +45,6 @@ __all__ = [
     "max_grad_diff",
     "max_param_diff",
     "run_on_ranks",
+    "tiny_hf_config",
+    "tiny_hf_model",
 ]
