@@ -12,11 +12,11 @@ import torch
 from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
 from plait.pipeline import PipelineConfig, pipeline_model
 from plait.sidecar import parallelize_model
-from plait.testing import run_on_ranks
-from tests.pipeline._parity import PipeParity, assert_pipe_parity, build, lm_loss, run_case
+from plait.testing import Parity, assert_parity, run_on_ranks
+from tests.pipeline._parity import build, lm_loss, run_case
 
 
-def _cases(cases: list[tuple]) -> list[PipeParity]:
+def _cases(cases: list[tuple]) -> list[Parity]:
     return [run_case(*case) for case in cases]
 
 
@@ -30,11 +30,11 @@ def test_two_stages_every_schedule_family_dense_llama_moe() -> None:
         ("moe gpipe", "moe", 4, pp2, PipelineConfig(schedule="gpipe")),
     ]
     results = run_on_ranks(_cases, 2, cases, timeout=600)
-    assert_pipe_parity(results)
-    assert [r.stage_indices for r in results[0]] == [[0], [0, 2], [0, 3], [0], [0]]
+    assert_parity(results)
+    assert [r.extra["stage_indices"] for r in results[0]] == [[0], [0, 2], [0, 3], [0], [0]]
     for i, case in enumerate(cases):
         total = len(list(build(case[1], case[2]).parameters()))
-        assert results[0][i].compared + results[1][i].compared == total, case[0]
+        assert results[0][i].grads_compared + results[1][i].grads_compared == total, case[0]
 
 
 def test_two_stages_with_fsdp_and_with_tp_on_four_ranks() -> None:
@@ -49,9 +49,10 @@ def test_two_stages_with_fsdp_and_with_tp_on_four_ranks() -> None:
         ),
     ]
     results = run_on_ranks(_cases, 4, cases, timeout=600)
-    assert_pipe_parity(results)
+    assert_parity(results)
     for rank in results:  # FSDP's PP rule: no unit reshards after forward
-        assert rank[0].fsdp_units >= 3 and rank[0].resharded_after_forward == 0, rank[0]
+        units = rank[0].extra
+        assert units["fsdp_units"] >= 3 and units["resharded_after_forward"] == 0, rank[0]
 
 
 def _refusals() -> list[str]:
