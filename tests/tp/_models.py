@@ -8,6 +8,10 @@ import torch
 import transformers
 from torch import nn
 
+from plait.testing import tiny_hf_config
+
+_SIZES = {"hidden_size": 64, "intermediate_size": 128}
+
 
 class _Attention(nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int, qk_norm: bool = False) -> None:
@@ -148,31 +152,25 @@ class NestedPlanVLM(nn.Module):
 def hf_config(
     kind: str, *, vocab: int = 101, layers: int = 2, tie: bool = False, **overrides: object
 ) -> object:
-    """A tiny Llama / Qwen3 config: hidden 64, 4 heads, 2 KV heads, eager attention, no cache."""
-    fields: dict[str, object] = {
-        "vocab_size": vocab,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "use_cache": False,
-        "tie_word_embeddings": tie,
-        "attn_implementation": "eager",
+    """A tiny Llama / Qwen3 config: hidden 64, 4 heads, 2 KV heads (Qwen3: head_dim 16), eager attention."""
+    if kind not in ("llama", "qwen3"):
+        raise ValueError(f"unknown kind {kind!r}")
+    qwen3 = {"head_dim": 16} if kind == "qwen3" else {}
+    return tiny_hf_config(
+        kind,
+        **_SIZES,
+        **qwen3,
+        vocab_size=vocab,
+        num_hidden_layers=layers,
+        tie_word_embeddings=tie,
         **overrides,
-    }
-    if kind == "llama":
-        return transformers.LlamaConfig(**fields)
-    if kind == "qwen3":
-        return transformers.Qwen3Config(head_dim=16, **fields)
-    raise ValueError(f"unknown kind {kind!r}")
+    )
 
 
 def hf_model(kind: str, **kwargs: object) -> nn.Module:
     """A randomly initialised tiny ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` (no hub access)."""
-    config = hf_config(kind, **kwargs)
     cls = transformers.LlamaForCausalLM if kind == "llama" else transformers.Qwen3ForCausalLM
-    return cls(config).to(torch.float32)
+    return cls(hf_config(kind, **kwargs)).to(torch.float32)
 
 
 class UnregisteredLlama(transformers.LlamaForCausalLM):
