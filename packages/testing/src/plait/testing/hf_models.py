@@ -50,7 +50,6 @@ def tiny_hf_model(
     *,
     seed: int | None = 0,
     vector_noise: float = 0.0,
-    cls: type[nn.Module] | None = None,
     **config: Any,
 ) -> nn.Module:
     """A randomly initialised fp32 causal LM of ``model_type`` at tiny sizes.
@@ -60,19 +59,13 @@ def tiny_hf_model(
         seed: ``torch.manual_seed`` before the weights are drawn; ``None`` leaves the RNG alone.
         vector_noise: scale of Gaussian noise added to every 1-D parameter: zero-initialised norm
             weights (Gemma's ``1 + w``) would otherwise hide the errors in their gradients.
-        cls: a model class taking the config (e.g. a subclass of ``LlamaForCausalLM``); default the
-            ``AutoModelForCausalLM`` class of ``model_type``.
     """
     import transformers
 
     hf_config = tiny_hf_config(model_type, **config)
     if seed is not None:
         torch.manual_seed(seed)
-    if cls is None:
-        model = transformers.AutoModelForCausalLM.from_config(hf_config)
-    else:
-        model = cls(hf_config)
-    model = model.float()
+    model = transformers.AutoModelForCausalLM.from_config(hf_config).float()
     if vector_noise:
         with torch.no_grad():
             for param in model.parameters():
