@@ -33,21 +33,43 @@ HEADS = {
     2: {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32},
     4: {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 16},
 }
+# latent (MLA) attention at this size; there head_dim is the rope part (which the common head_dim would overwrite)
+_LATENT = {
+    "kv_lora_rank": 32,
+    "q_lora_rank": 64,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "head_dim": 16,
+}
+# a vision / audio tower of one small block (the text model alone is under test)
+_TINY_TOWER = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
 OVERRIDES: dict[str, dict[str, Any]] = {
     # families whose configs need more than the common fields to build at this size
-    "deepseek_v2": {
-        "kv_lora_rank": 32,
-        "q_lora_rank": 64,
-        "qk_rope_head_dim": 16,
-        "qk_nope_head_dim": 16,
-        "v_head_dim": 16,
+    "axk1": _LATENT,
+    "codegen": {"rotary_dim": 16},  # rotary part of each head: at most head_dim (16 at tp 4)
+    "cohere_compass_text": {  # rope per layer type; the default has no entry for its full-attention layers
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     },
-    "deepseek_v3": {
-        "kv_lora_rank": 32,
-        "q_lora_rank": 64,
-        "qk_rope_head_dim": 16,
-        "qk_nope_head_dim": 16,
-        "v_head_dim": 16,
+    "deepseek_v2": _LATENT,
+    "deepseek_v3": _LATENT,
+    "dots3_note_text": _LATENT,
+    "gemma3n_text": {  # one of the two layers reuses the other's KV (default: the last 15 of 35 layers)
+        "num_kv_shared_layers": 1,
+        "vocab_size_per_layer_input": VOCAB,  # per-layer input embeddings: 262k x 256 per layer by default
+        "hidden_size_per_layer_input": 16,
+    },
+    "gptj": {"rotary_dim": 16},  # rotary part of each head: at most head_dim (16 at tp 4)
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # no default layer types
+    "phi4_multimodal": {  # the towers are built by the causal LM too (27 + 24 large blocks by default)
+        "vision_config": {**_TINY_TOWER, "num_hidden_layers": 1},
+        "audio_config": {
+            **_TINY_TOWER,
+            "num_blocks": 1,
+            "ext_pw_out_channel": 32,
+            "depthwise_separable_out_channel": 32,
+            "nemo_conv_channels": 32,
+        },
     },
 }
 
@@ -76,10 +98,14 @@ def sweep_families(only: list[str] | None = None) -> list[str]:
 def tiny_config(model_type: str, tp: int) -> Any:
     """The family's tiny config for ``tp`` (4 heads / 2 KV heads at tp 2, 8 / 4 at tp 4), eager attention."""
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     fields = {**COMMON, **HEADS[tp], **OVERRIDES.get(model_type, {})}
+    config_cls = CONFIG_MAPPING[model_type]
+    if hasattr(config_cls, "kv_lora_rank"):  # latent attention: keys/values come per query head
+        fields["num_key_value_heads"] = fields["num_attention_heads"]
+    if "text_config" in config_cls.sub_configs:  # a composite config: the causal LM builds from its text part
+        fields = {"text_config": fields}
     config = AutoConfig.for_model(model_type, **fields)
-    if getattr(config, "kv_lora_rank", None):  # latent attention: keys/values come per query head
-        config.num_key_value_heads = config.num_attention_heads
     config._attn_implementation = "eager"
     return config
