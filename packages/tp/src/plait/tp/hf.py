@@ -168,6 +168,26 @@ def _whole_sequence_blocks(plan: dict[str, ParallelStyle], layers: str) -> set[s
     return {b for b in blocks if f"{layers}{b}" not in plan}
 
 
+def _is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower()
+
+
+def _unplanned_blocks(plan: dict[str, ParallelStyle], base: nn.Module, prefix: str) -> list[str]:
+    """Layer children with parameters that no plan entry reaches (AFMoE's attention), norms aside.
+
+    Under SP their plain weights would meet the ``Shard(1)`` residual stream, so they run whole.
+    """
+    found = []
+    for index, layer in enumerate(base.layers):
+        for name, child in layer.named_children():
+            fqn = f"{prefix}layers.{index}.{name}"
+            inner = [fqn, *(f"{fqn}.{sub}" for sub, _ in child.named_modules() if sub)]
+            planned = any(fnmatchcase(f, key) for f in inner for key in plan)
+            if not planned and not _is_norm(child) and any(True for _ in child.parameters()):
+                found.append(fqn)
+    return found
+
+
 def _sequence_parallel(
     model: nn.Module, plan: dict[str, ParallelStyle], head: str | None
 ) -> dict[str, ParallelStyle]:
@@ -207,6 +227,8 @@ def _sequence_parallel(
             )
     for block in sorted(whole):
         out[f"{layers}{block}"] = SequenceParallelBlock()
+    for fqn in _unplanned_blocks(out, base, prefix):
+        out[fqn] = SequenceParallelBlock()
     norms = _add_norms(out, base_fqn, base, sequence_parallel=True)
     final = f"{prefix}norm"
     if head not in out and isinstance(norms.get(final), SequenceParallelNorm):
@@ -225,7 +247,7 @@ def _add_norms(
     norms = [
         (f"{prefix}layers.0.{name}", f"{prefix}layers.*.{name}")
         for name, child in base.layers[0].named_children()
-        if "norm" in type(child).__name__.lower()
+        if _is_norm(child)
     ]
     if isinstance(getattr(base, "norm", None), nn.Module):
         norms.append((f"{prefix}norm", f"{prefix}norm"))

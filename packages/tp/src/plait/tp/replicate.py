@@ -131,16 +131,20 @@ def _replicated_forward(
         out = forward(*args, **kwargs)
         return out.to_local() if style.use_local_output and isinstance(out, DTensor) else out
     grad_placement = _grad_placement(style, first)
-    params = dict(module._parameters)
+    params, buffers = dict(module._parameters), dict(module._buffers)
     for name, param in params.items():
         if isinstance(param, DTensor):
             # Written to the registry directly, as FSDP2 does with its unsharded parameters; the
             # DTensor parameters are put back below, so state_dict and optimizers never see these.
             module._parameters[name] = param.to_local(grad_placements=[grad_placement])
+    for name, buffer in buffers.items():
+        if isinstance(buffer, DTensor):  # distribute_module replicates buffers too (XIELU's beta)
+            module._buffers[name] = buffer.to_local()
     try:
         out = forward(*args, **kwargs)
     finally:
         module._parameters.update(params)
+        module._buffers.update(buffers)
     if style.use_local_output or not isinstance(out, torch.Tensor) or not isinstance(first, torch.Tensor):
         return out
     layout = style.input_layouts
