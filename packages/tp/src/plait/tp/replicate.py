@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -118,6 +119,36 @@ def _grad_placement(style: ReplicateParallel, first: Any) -> Placement:
     return Replicate() if isinstance(style.input_layouts, Replicate) else Partial()
 
 
+@contextmanager
+def _local_state(module: nn.Module, grad_placement: Placement) -> Iterator[None]:
+    """Swap the replicated DTensor parameters and buffers of ``module`` and its children for local tensors.
+
+    Written to the registries directly, as FSDP2 does with its unsharded parameters, and put back on
+    exit, so state_dict and optimizers never see the local ones. Children too: ``distribute_module``
+    replicates a nested norm's or gate's parameters as well (AXK2's gated norm).
+    """
+    saved = []
+    for sub in module.modules():
+        params, buffers = dict(sub._parameters), dict(sub._buffers)
+        saved.append((sub, params, buffers))
+        for name, param in params.items():
+            if _replicated(param):
+                sub._parameters[name] = param.to_local(grad_placements=[grad_placement])
+        for name, buffer in buffers.items():
+            if _replicated(buffer):  # distribute_module replicates buffers too (XIELU's beta)
+                sub._buffers[name] = buffer.to_local()
+    try:
+        yield
+    finally:
+        for sub, params, buffers in saved:
+            sub._parameters.update(params)
+            sub._buffers.update(buffers)
+
+
+def _replicated(value: Any) -> bool:
+    return isinstance(value, DTensor) and all(p.is_replicate() for p in value.placements)
+
+
 def _replicated_forward(
     module: nn.Module,
     forward: Callable[..., Any],
@@ -130,21 +161,8 @@ def _replicated_forward(
     if isinstance(first, DTensor):
         out = forward(*args, **kwargs)
         return out.to_local() if style.use_local_output and isinstance(out, DTensor) else out
-    grad_placement = _grad_placement(style, first)
-    params, buffers = dict(module._parameters), dict(module._buffers)
-    for name, param in params.items():
-        if isinstance(param, DTensor):
-            # Written to the registry directly, as FSDP2 does with its unsharded parameters; the
-            # DTensor parameters are put back below, so state_dict and optimizers never see these.
-            module._parameters[name] = param.to_local(grad_placements=[grad_placement])
-    for name, buffer in buffers.items():
-        if isinstance(buffer, DTensor):  # distribute_module replicates buffers too (XIELU's beta)
-            module._buffers[name] = buffer.to_local()
-    try:
+    with _local_state(module, _grad_placement(style, first)):
         out = forward(*args, **kwargs)
-    finally:
-        module._parameters.update(params)
-        module._buffers.update(buffers)
     if style.use_local_output or not isinstance(out, torch.Tensor) or not isinstance(first, torch.Tensor):
         return out
     layout = style.input_layouts

@@ -32,10 +32,18 @@ class SequenceParallelNorm(SequenceParallel):
     """
 
     def _replicate_module_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        super()._replicate_module_fn(name, module, device_mesh)
-        for param in module.parameters():
-            if param.requires_grad:
-                param.register_hook(sum_partial_grad)
+        # Own parameters only: distribute_module calls this for every submodule, and torch's version
+        # registers nested names (AXK2's gated norm), which nn.Module refuses.
+        for p_name, param in list(module.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):
+                continue
+            replicated = nn.Parameter(
+                DTensor.from_local(param, device_mesh, [Replicate()], run_check=False),
+                requires_grad=param.requires_grad,
+            )
+            if replicated.requires_grad:
+                replicated.register_hook(sum_partial_grad)
+            module.register_parameter(p_name, replicated)
 
 
 class SequenceParallelAllGather(SequenceParallelNorm):
