@@ -2,7 +2,7 @@
 
 The fast CI subset of ``tools/hf_sweep``: Gemma3 (scaled embedding, q/k norms, sliding-window layers
 with a sequence longer than the window), Gemma2 (scaled embedding), Phi3 (fused, gathered ``qkv_proj``),
-Qwen3 (q/k norms, tied embeddings), Llama,
+Qwen3 (q/k norms, tied embeddings), Llama, HunYuan dense (a plan naming only the embedding),
 Mixtral (fused 3-D experts sharded by ``packed_colwise`` / ``rowwise``; under SP the MoE block runs on the
 gathered sequence). Per-parameter gradients at step 0 and parameters after 2
 SGD steps within 1e-5 of the reference (relative to its largest magnitude per parameter).
@@ -24,6 +24,7 @@ FAMILIES: list[Family] = [
     ("phi3", {}),
     ("qwen3", {"tie_word_embeddings": True}),
     ("llama", {}),
+    ("hunyuan_v1_dense", {}),  # the plan shards only the embedding: under SP its blocks run whole
     ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),  # fused 3-D experts, packed_colwise
 ]
 TP4 = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8}

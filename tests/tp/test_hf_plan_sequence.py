@@ -1,0 +1,30 @@
+"""hf_tp_plan under sequence parallel: the layer children the plan leaves out run on the whole sequence."""
+
+from __future__ import annotations
+
+import transformers
+
+from torch.distributed.tensor.parallel import ColwiseParallel
+
+from plait.tp import SequenceParallelBlock, SequenceParallelNorm, hf_tp_plan
+from tests.tp._models import hf_config
+
+MLP_ONLY = {
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+
+
+def test_unplanned_attention_runs_whole_under_sequence_parallel() -> None:
+    """AFMoE / Granite-MoE style: the plan shards the MLP only; attention's weights stay whole."""
+    model = transformers.LlamaForCausalLM(hf_config("llama", base_model_tp_plan=MLP_ONLY))
+    plan = hf_tp_plan(model, True)
+    assert plan is not None
+    for layer in (0, 1):
+        assert type(plan[f"model.layers.{layer}.self_attn"]) is SequenceParallelBlock, sorted(plan)
+        assert f"model.layers.{layer}.mlp" not in plan  # planned inside: its styles take the Shard(1) input
+    assert type(plan["model.layers.*.mlp.gate_proj"]) is ColwiseParallel
+    assert type(plan["model.layers.*.input_layernorm"]) is SequenceParallelNorm
+    without_sp = hf_tp_plan(model, False)
+    assert without_sp is not None and not any("self_attn" in key for key in without_sp)
