@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import transformers
-
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 from plait.tp import SequenceParallelBlock, SequenceParallelNorm, hf_tp_plan
