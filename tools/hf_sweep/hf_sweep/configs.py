@@ -71,6 +71,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
             "nemo_conv_channels": 32,
         },
     },
+    "youtu": _LATENT,
 }
 
 
