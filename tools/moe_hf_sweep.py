@@ -1,9 +1,9 @@
 """Expert parallel on unmodified Hugging Face MoE families: the full parity matrix, as JSON lines.
 
 Every family of ``tests/sidecar/_hf_moe.py`` present in the locked transformers, at ep=2 (ep_shard=2),
-ep=4 and ep=2 x tp=2 on 4 gloo ranks: step-0 per-parameter gradients and parameters after 2 SGD steps
-(relative to the reference's largest entry), router aux loss, state-dict keys, held expert bytes, and
-the reference's smallest router margin. CI runs a subset (tests/sidecar/test_moe_hf.py).
+ep=4 and ep=2 x tp=2 (the model's own TP plan, its expert entries dropped) on 4 gloo ranks: step-0
+per-parameter gradients and parameters after 2 SGD steps (relative to the reference's largest entry),
+router aux loss, state-dict keys, held expert bytes, and the reference's smallest router margin. CI runs a subset (tests/sidecar/test_moe_hf.py).
 Usage: ``uv run python tools/moe_hf_sweep.py [family ...]``.
 """
 
@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plait.testing import run_on_ranks
 from tests.sidecar._hf_moe import FAMILIES, LAYOUTS, available, hf_parity

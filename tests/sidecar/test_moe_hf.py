@@ -11,7 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 import transformers
+from torch.distributed.tensor import DTensor
 
 from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
 from plait.sidecar import parallelize_model
@@ -70,3 +72,65 @@ def test_own_hf_plan_under_ep_x_tp_leaves_experts_to_ep_and_a_user_plan_on_them_
             match=r"pattern 'model.layers.\*.mlp.gate' matches .*router 'model.layers.0.mlp.gate'.* remove the pattern",
         ):
             parallelize_model(build("mixtral"), user)
+
+
+def _local_bytes(model: Any) -> int:
+    return sum(
+        (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in model.parameters()
+    )
+
+
+def test_mixtral_under_tp_alone_holds_at_most_055_of_a_tp_run_with_replicated_experts(fake_pg: Any) -> None:
+    # Mixtral's proportions (8 experts, top-2, intermediate 3.5 x hidden, few KV heads): experts hold most
+    # weights. Gradients and optimizer state take each parameter's placement, so the parameter bytes'
+    # ratio is the held state's (tools/bench/moe_bench.py measures all three after AdamW steps: 0.515).
+    config = transformers.MixtralConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=224,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )
+    own = {f"model.{k}": v for k, v in config.base_model_tp_plan.items()}
+    without_experts = {k: v for k, v in own.items() if ".experts" not in k}
+    replicated = without_experts | {
+        "model.embed_tokens": "embedding_rowwise",
+        "lm_head": "colwise_gather_output",
+    }
+    held = {}
+    with fake_pg(2):
+        for name, plan in (("sharded", None), ("replicated", replicated)):
+            torch.manual_seed(0)
+            ctx = MeshContext.build(FSDP2Config(mp_policy=None, tp_plan=plan), ParallelismSizes(tp_size=2))
+            held[name] = _local_bytes(parallelize_model(transformers.MixtralForCausalLM(config), ctx))
+    total = _local_bytes(transformers.MixtralForCausalLM(config))
+    assert held["sharded"] <= 0.55 * held["replicated"], held
+    assert held["sharded"] <= 0.51 * total, (held, total)  # everything but norms and routers halves
+
+
+def test_per_expert_module_containers_of_the_locked_transformers_are_refused(fake_pg: Any) -> None:
+    # transformers 5.24: SwitchTransformers and NLLB-MoE keep a per-expert ModuleDict (VitPose a
+    # ModuleList); every causal-LM MoE family stacks its experts in fused 3-D parameters.
+    config = transformers.SwitchTransformersConfig(
+        vocab_size=64,
+        d_model=16,
+        d_ff=32,
+        d_kv=4,
+        num_heads=2,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_sparse_encoder_layers=1,
+        num_sparse_decoder_layers=1,
+        num_experts=2,
+    )
+    with fake_pg(2):
+        ctx = MeshContext.build(FSDP2Config(mp_policy=None), ParallelismSizes(ep_size=2))
+        with pytest.raises(
+            ValueError,
+            match=r"'encoder.block.1.layer.1.mlp.experts' is a per-expert SwitchTransformersExperts \(an nn.ModuleDict\)",
+        ):
+            parallelize_model(transformers.SwitchTransformersForConditionalGeneration(config), ctx)

@@ -80,7 +80,8 @@ def build_mixtral(size: str) -> nn.Module:
 def replicated_experts_plan(model: nn.Module) -> dict[str, str]:
     """The model's own TP plan without its expert entries (a user plan: TP everywhere but the experts)."""
     plan = {f"model.{k}": v for k, v in model.config.base_model_tp_plan.items() if ".experts" not in k}
-    return plan | {k: v for k, v in type(model)._tp_plan.items()}
+    # The embedding vocab-parallel as the Hugging Face translation adds it: only the experts differ.
+    return plan | {"model.embed_tokens": "embedding_rowwise"} | dict(type(model)._tp_plan)
 
 
 def _context(contender: str, model: nn.Module) -> Any:

@@ -41,11 +41,14 @@ def find_moe_blocks(model: nn.Module, ep_size: int) -> list[MoEBlockInfo]:
             continue
         experts_fqn = _join(fqn, "experts")
         if isinstance(experts, nn.ModuleList | nn.ModuleDict):
+            kind = "ModuleList" if isinstance(experts, nn.ModuleList) else "ModuleDict"
+            own = "" if type(experts).__name__ == kind else f" (an nn.{kind})"
             raise ValueError(
-                f"{experts_fqn!r} is a per-expert {type(experts).__name__}; expert parallel needs one experts "
-                "module whose parameters stack the experts on dim 0 (the fused layout of Hugging Face "
-                "transformers >= 5, e.g. gate_up_proj [E, 2I, H]); the block's own per-expert loop cannot "
-                "be dispatched by all-to-all - load the model with transformers >= 5 or use ep_size 1"
+                f"{experts_fqn!r} is a per-expert {type(experts).__name__}{own}; expert parallel needs one "
+                "experts module whose parameters stack the experts on dim 0 (the fused layout of Hugging "
+                "Face transformers >= 5, e.g. gate_up_proj [E, 2I, H]); the block's own per-expert loop "
+                "cannot be dispatched by all-to-all - use ep_size 1 for this model (transformers >= 5 "
+                "stores every causal-LM MoE family fused)"
             )
         num_experts = num_experts_of(experts)
         if num_experts % ep_size != 0:
