@@ -77,9 +77,21 @@ def one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def stderr_line(text: str) -> None:
+    """Write ``text`` and its newline to stderr in one write, so lines of ranks sharing it never interleave."""
+    sys.stderr.flush()
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a captured or replaced stream (io.UnsupportedOperation)
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+        return
+    os.write(fd, (text + "\n").encode(errors="replace"))
+
+
 def print_error(message: str) -> None:
     """Print ``plait-train: error: <message>`` as one line on stderr."""
-    print(f"plait-train: error: {one_line(message)}", file=sys.stderr, flush=True)
+    stderr_line(f"plait-train: error: {one_line(message)}")
 
 
 def report(err: BaseException) -> int:
@@ -90,7 +102,7 @@ def report(err: BaseException) -> int:
     if os.environ.get(TRACEBACK_ENV) == "1":
         traceback.print_exception(err, file=sys.stderr)
     if isinstance(err, Stopped):
-        print(f"plait-train: {one_line(str(err))}", file=sys.stderr, flush=True)
+        stderr_line(f"plait-train: {one_line(str(err))}")
         return EXIT_STOPPED
     print_error(user_message(err) or str(err))
     return getattr(err, "exit_code", EXIT_USER)

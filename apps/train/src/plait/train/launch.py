@@ -17,7 +17,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 
-from plait.train.errors import EXIT_STOPPED, EXIT_USER
+from plait.train.errors import EXIT_STOPPED, EXIT_USER, stderr_line
 
 __all__ = [
     "ATTEMPT_ENV",
@@ -111,24 +111,22 @@ def launch_local(argv: list[str], *, nproc_per_node: int, max_restarts: int = 0)
         try:
             _launch_once(argv, nproc_per_node)
         except SignalException as err:
-            print(f"plait-train: stopped by {signal.Signals(err.sigval).name}", file=sys.stderr, flush=True)
+            stderr_line(f"plait-train: stopped by {signal.Signals(err.sigval).name}")
             return EXIT_STOPPED
         except ChildFailedError as err:
             codes = sorted({f.exitcode for f in err.failures.values()})
             if codes == [EXIT_STOPPED]:
-                print("plait-train: the ranks were stopped by SIGTERM", file=sys.stderr, flush=True)
+                stderr_line("plait-train: the ranks were stopped by SIGTERM")
                 return EXIT_STOPPED
             if EXIT_STOPPED in codes or EXIT_USER in codes or attempt >= max_restarts:
                 why = "a user error is not retried; " if EXIT_USER in codes and attempt < max_restarts else ""
-                print(
+                stderr_line(
                     f"plait-train: {len(err.failures)} rank(s) failed (exit codes {codes}); {why}"
-                    f"{attempt} restart(s) made",
-                    file=sys.stderr,
-                    flush=True,
+                    f"{attempt} restart(s) made"
                 )
                 return next((c for c in codes if c > 0), 1)
             attempt += 1
-            print(f"plait-train: restart {attempt} of {max_restarts} (exit codes {codes})", file=sys.stderr)
+            stderr_line(f"plait-train: restart {attempt} of {max_restarts} (exit codes {codes})")
             continue
         return 0
 

@@ -27,7 +27,15 @@ from types import FrameType
 
 import torch.distributed as dist
 
-from plait.train.errors import EXIT_INTERNAL, EXIT_STOPPED, Stopped, UserError, one_line, user_message
+from plait.train.errors import (
+    EXIT_INTERNAL,
+    EXIT_STOPPED,
+    Stopped,
+    UserError,
+    one_line,
+    stderr_line,
+    user_message,
+)
 from plait.train.launch import LAUNCHER_PID_ENV
 
 __all__ = ["STOP_TIMEOUT_ENV", "RankLifecycle", "die_with_launcher"]
@@ -200,7 +208,7 @@ class RankLifecycle:
         with self._print_lock:
             if self._settling.is_set():
                 return
-            print(line, file=sys.stderr, flush=True)
+            stderr_line(line)
             with contextlib.suppress(Exception):
                 sys.stdout.flush()
             os._exit(code)
