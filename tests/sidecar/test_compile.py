@@ -17,15 +17,9 @@ VOCAB = 32
 
 
 def _model() -> nn.Module:
-    config = DecoderConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
+    return DenseDecoder(
+        DecoderConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_attention_heads=2)
     )
-    return DenseDecoder(config)
 
 
 def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
-from plait.testing import run_on_ranks
+from plait.models import DecoderConfig, DenseDecoder
+from plait.testing import run_on_ranks, tiny_hf_model
 from tests.sidecar._parity import Parity, assert_parity, run_parity
 
 VOCAB = 160  # the untied tables (2 x 5,120) outweigh a layer (9,216): they get their own FSDP units
@@ -29,31 +30,11 @@ CASES: dict[str, tuple[ParallelismSizes, dict[str, Any], str | bool]] = {
 
 
 def build_model(kind: str) -> nn.Module:
-    """A tiny seeded decoder: ``dense`` (plait reference), ``llama`` or ``qwen3`` (Hugging Face)."""
+    """A tiny decoder: ``dense`` (plait reference: hidden 32, 2 layers of 9,216), HF ``llama`` or ``qwen3`` (tied)."""
     if kind == "dense":
-        from plait.models import DecoderConfig, DenseDecoder
-
-        return DenseDecoder(
-            DecoderConfig(vocab_size=VOCAB)  # the defaults: hidden 32, 2 layers of 9,216 elements
-        )
-    sizes = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        use_cache=False,
-        attn_implementation="eager",
-    )
-    if kind == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        return LlamaForCausalLM(LlamaConfig(**sizes, tie_word_embeddings=False))
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    return Qwen3ForCausalLM(Qwen3Config(**sizes, head_dim=8, tie_word_embeddings=True))
+        return DenseDecoder(DecoderConfig(vocab_size=VOCAB))
+    tied = {"tie_word_embeddings": True} if kind == "qwen3" else {}
+    return tiny_hf_model(kind, seed=None, vocab_size=VOCAB, **tied)
 
 
 def structure(model: nn.Module) -> dict[str, Any]:
