@@ -35,6 +35,46 @@ def _device(device_mesh: DeviceMesh) -> torch.device:
     return torch.device(device_mesh.device_type)
 
 
+def _device_mesh(mesh_context: MeshContext) -> tuple[MegatronFSDPConfig, DeviceMesh]:
+    config = mesh_context.strategy_config
+    if not isinstance(config, MegatronFSDPConfig):
+        raise TypeError(f"parallelize_megatron_fsdp needs a MegatronFSDPConfig, got {type(config).__name__}")
+    if mesh_context.device_mesh is None:
+        raise ValueError(
+            "Megatron-FSDP needs mesh_context.device_mesh, got None; build the context with "
+            "MeshContext.build(MegatronFSDPConfig(...), sizes)."
+        )
+    return config, mesh_context.device_mesh
+
+
+def _tp_plan(model: nn.Module, mesh_context: MeshContext, sidecar: SidecarHooks, tp: int) -> dict | None:
+    """The validated TP plan (None without TP); nothing is applied yet."""
+    if tp == 1:
+        return None
+    sidecar._validate_tp_mesh(model, mesh_context.device_mesh["tp"])
+    config = mesh_context.strategy_config
+    return resolve_tp_plan(
+        model, plan=config.tp_plan, tp_size=tp, model_plan=sidecar.tp_plan, finalize=sidecar._finalize_tp_plan
+    )
+
+
+def _apply_before_sharding(
+    model: nn.Module, mesh_context: MeshContext, sidecar: SidecarHooks, plan: dict | None
+) -> None:
+    """TP, activation checkpointing and ``reapply_trainability``, in that order (all checked first)."""
+    groups = (
+        discover_layer_groups(model, sidecar.layer_group_paths)
+        if mesh_context.activation_checkpointing
+        else []
+    )
+    if plan:
+        apply_tp(model, mesh_context.tp_mesh(), plan)
+    if mesh_context.activation_checkpointing:
+        sidecar._checkpoint_activations(model, groups, mesh_context)
+    if mesh_context.reapply_trainability is not None:
+        mesh_context.reapply_trainability(model)
+
+
 def parallelize_megatron_fsdp(
     model: nn.Module,
     mesh_context: MeshContext,
@@ -44,62 +84,23 @@ def parallelize_megatron_fsdp(
 ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
     """Apply TP, AC and ``reapply_trainability``, then Megatron-FSDP over the ``dp`` (x ``cp``) ranks.
 
-    Unit modules come from ``config.unit_modules`` or the model's ``_no_split_modules``. With one
-    data-parallel rank (dp = cp = 1) there is nothing to shard: only TP is applied, with a warning.
-
-    Args:
-        model: The model.
-        mesh_context: Carries the :class:`MegatronFSDPConfig`, its ``(dp, cp, tp)`` device mesh
-            (``MeshContext.build(MegatronFSDPConfig(), sizes)``), the AC mode and ``reapply_trainability``.
-        sidecar: The model's sidecar (TP plan factory and hooks, checkpointing hook, layer paths).
-        optimizer: Optional optimizer over ``model``'s parameters; it is rebuilt on the sharded
-            parameters (one parameter group with the optimizer's defaults) and hooked to Megatron-FSDP.
-
-    Returns:
-        The Megatron-FSDP model; ``(model, optimizer)`` when an optimizer was given.
+    Unit modules come from ``config.unit_modules`` or the model's ``_no_split_modules``; with one
+    data-parallel rank only TP is applied, with a warning. A given ``optimizer`` is rebuilt on the
+    sharded parameters (one group, its defaults) and ``(model, optimizer)`` is returned.
 
     Raises:
         TypeError: the strategy config is not a :class:`MegatronFSDPConfig`.
         ImportError: megatron-fsdp is missing or its API is unsupported (names the version needed).
         ValueError: a bad mesh, no unit modules, a bad TP plan or head counts vs tp.
     """
-    config = mesh_context.strategy_config
-    if not isinstance(config, MegatronFSDPConfig):
-        raise TypeError(f"parallelize_megatron_fsdp needs a MegatronFSDPConfig, got {type(config).__name__}")
-    device_mesh = mesh_context.device_mesh
-    if device_mesh is None:
-        raise ValueError(
-            "Megatron-FSDP needs mesh_context.device_mesh, got None; build the context with "
-            "MeshContext.build(MegatronFSDPConfig(...), sizes)."
-        )
+    config, device_mesh = _device_mesh(mesh_context)
     dp, cp, tp = _sizes(device_mesh)
     shard = dp * cp > 1
     if shard:
         api = load_api(with_optimizer=optimizer is not None)
         units = resolve_unit_modules(model, config)
         kwargs = translate_config(config, api)
-    plan = None
-    if tp > 1:
-        sidecar._validate_tp_mesh(model, device_mesh["tp"])
-        plan = resolve_tp_plan(
-            model,
-            plan=config.tp_plan,
-            tp_size=tp,
-            model_plan=sidecar.tp_plan,
-            finalize=sidecar._finalize_tp_plan,
-        )
-    groups = (
-        discover_layer_groups(model, sidecar.layer_group_paths)
-        if mesh_context.activation_checkpointing
-        else []
-    )
-
-    if plan:
-        apply_tp(model, mesh_context.tp_mesh(), plan)
-    if mesh_context.activation_checkpointing:
-        sidecar._checkpoint_activations(model, groups, mesh_context)
-    if mesh_context.reapply_trainability is not None:
-        mesh_context.reapply_trainability(model)
+    _apply_before_sharding(model, mesh_context, sidecar, _tp_plan(model, mesh_context, sidecar, tp))
     if not shard:
         warnings.warn(
             f"Megatron-FSDP with dp={dp}, cp={cp}: one data-parallel rank, nothing to shard; applied TP "
