@@ -85,15 +85,10 @@ def apply_activation_checkpointing(
 ) -> int:
     """Checkpoint the trainable layers of the groups ``scope`` selects; apply after TP, before FSDP.
 
-    Modes:
-        - ``full`` per-submodule (default): wrap the first existing child of each role in
-          :data:`SUBMODULE_ROLES`; a layer with none of them is wrapped whole.
-        - ``full`` with ``whole_layer=True``: wrap each layer (non-reentrant, RNG state preserved).
-        - ``selective``: wrap each layer with an op-level policy that saves attention kernels,
-          collectives and every other matmul, and recomputes the rest.
-    ``save_ops`` are always saved (e.g. a MoE router's top-k, so routing cannot change on recompute).
-    Already-wrapped modules are skipped. The groups' ``layers`` lists are updated to the wrapped
-    layers. A model config with ``use_cache`` gets it set False.
+    ``full`` wraps the first existing child of each role in :data:`SUBMODULE_ROLES` (a layer with
+    none, or every layer with ``whole_layer``, is wrapped whole); ``selective`` wraps each layer with
+    an op-level policy (docs/behavior.md, "Activation checkpointing"). Already-wrapped modules are
+    skipped; the groups' ``layers`` lists are updated; a config's ``use_cache`` is set False.
 
     Args:
         model: The model owning ``groups``.
@@ -101,7 +96,8 @@ def apply_activation_checkpointing(
         mode: ``full`` (or True) or ``selective``.
         scope: ``all``, ``language``, ``vision``, ``audio``, ``multimodal`` (vision + audio), or several.
         whole_layer: Full mode only: wrap layers whole instead of per submodule.
-        save_ops: Extra ops whose outputs are saved rather than recomputed.
+        save_ops: Ops whose outputs are always saved (e.g. a MoE router's top-k, so routing cannot
+            change on recompute).
 
     Returns:
         The number of modules newly wrapped.
@@ -109,34 +105,18 @@ def apply_activation_checkpointing(
     Raises:
         ValueError: for an unknown mode or scope.
     """
-    if mode is True:
-        mode = "full"
-    if mode not in ("full", "selective"):
-        raise ValueError(f"Activation checkpointing mode must be 'full' or 'selective', got {mode!r}.")
+    context_fn = _context_fn(mode, save_ops)
     kinds = frozenset().union(*(_SCOPE_KINDS[name] for name in normalize_ac_scope(scope)))
-    if mode == "selective":
-        context_fn: Callable[[], Any] | None = selective_context_fn(save_ops)
-    else:
-        context_fn = save_only_context_fn(save_ops) if save_ops else None
+    per_submodule = mode in ("full", True) and not whole_layer
     count, selected = 0, 0
-    for group in groups:
-        if group.kind not in kinds:
-            continue
+    for group in (g for g in groups if g.kind in kinds):
         container = model.get_submodule(group.path)
         for index, layer in enumerate(group.layers):
             if not any(p.requires_grad for p in layer.parameters()):
                 continue
             selected += 1
-            if isinstance(layer, CheckpointWrapper):
-                continue
-            if mode == "full" and not whole_layer:
-                wrapped_children = _checkpoint_submodules(layer, context_fn)
-                if wrapped_children is not None:
-                    count += wrapped_children
-                    continue
-            group.layers[index] = _wrap(layer, context_fn)
-            _replace_layer(container, layer, group.layers[index])
-            count += 1
+            if not isinstance(layer, CheckpointWrapper):
+                count += _checkpoint_layer(container, group, index, context_fn, per_submodule)
     if not selected:
         warnings.warn(
             f"Activation checkpointing scope {scope!r} selects no trainable layer among groups "
@@ -147,3 +127,32 @@ def apply_activation_checkpointing(
     if count:
         _disable_kv_cache(model)
     return count
+
+
+def _context_fn(mode: CheckpointMode | bool, save_ops: Iterable[Any] | None) -> Callable[[], Any] | None:
+    """The checkpoint ``context_fn`` of ``mode`` (None: plain full recompute)."""
+    if mode is True:
+        mode = "full"
+    if mode not in ("full", "selective"):
+        raise ValueError(f"Activation checkpointing mode must be 'full' or 'selective', got {mode!r}.")
+    if mode == "selective":
+        return selective_context_fn(save_ops)
+    return save_only_context_fn(save_ops) if save_ops else None
+
+
+def _checkpoint_layer(
+    container: nn.Module,
+    group: LayerGroup,
+    index: int,
+    context_fn: Callable[[], Any] | None,
+    per_submodule: bool,
+) -> int:
+    """Wrap ``group.layers[index]`` (per submodule when asked and possible, else whole); the count wrapped."""
+    layer = group.layers[index]
+    if per_submodule:
+        wrapped_children = _checkpoint_submodules(layer, context_fn)
+        if wrapped_children is not None:
+            return wrapped_children
+    group.layers[index] = _wrap(layer, context_fn)
+    _replace_layer(container, layer, group.layers[index])
+    return 1

@@ -122,27 +122,15 @@ def fully_shard_untied_embeddings(
 ) -> list[nn.Module]:
     """Give distinct, trainable input and output embedding tables their own FSDP units.
 
-    Otherwise both tables sit in the root unit, whose fp32 reduce-scatter input holds both
-    gradients at once; separate units bound that buffer by the larger table. Tied tables (any
-    shared parameter) are skipped to keep the alias, frozen tables because they have no gradient
-    buffer, and tables that already are (or lie inside) an FSDP unit keep their unit.
-
-    The split only happens when the trainable tables together outweigh the largest FSDP unit
-    already present (the layers): otherwise the root is not the step's largest buffer, and two
-    more units would only add two all-gathers, two reduce-scatters and their hooks per step.
-    A resharding input table that is a plain ``nn.Embedding`` lookup is not all-gathered again
-    in backward (``set_unshard_in_backward(False)``): its gradient needs the indices only.
-    The head's unit also takes the trainable modules beside the language layer containers that
-    are not embeddings (the final norm), as torchtitan groups ``[norm, output]``: the root is
-    then left without parameters and runs no collectives of its own.
+    When and why (the size rule, the head's companions, no unshard in backward) is in
+    docs/behavior.md, "Untied embeddings".
 
     Args:
         model: Model with ``get_input_embeddings()`` / ``get_output_embeddings()`` (missing = None).
         mesh: The FSDP mesh.
         mp_policy: Mixed-precision policy of the surrounding units.
         offload_policy: Offload policy of the surrounding units.
-        input_reshard_after_forward: Reshard policy of the input table (the output head never reshards:
-            it is needed first in backward).
+        input_reshard_after_forward: Reshard policy of the input table (the head never reshards).
         shard_fn: The FSDP primitive, ``fully_shard`` by default (called with a module or a list).
         layer_groups: The model's layer containers (default: ``discover_layer_groups(model)``).
 
@@ -150,18 +138,7 @@ def fully_shard_untied_embeddings(
         The newly wrapped tables, input first.
     """
     inp, out = _embedding(model, "get_input_embeddings"), _embedding(model, "get_output_embeddings")
-    if inp is None or out is None or inp is out:
-        return []
-    if {id(p) for p in inp.parameters()} & {id(p) for p in out.parameters()}:
-        return []
-    candidates = [
-        (table, reshard)
-        for table, reshard in ((inp, input_reshard_after_forward), (out, False))
-        if _is_free_trainable_table(model, table)
-    ]
-    tables_numel = sum(p.numel() for table, _ in candidates for p in table.parameters())
-    if tables_numel <= _largest_unit_numel(model):
-        return []
+    candidates = _tables_to_split(model, inp, out, input_reshard_after_forward)
     for table, reshard in candidates:
         companions = _head_companions(model, layer_groups, inp, out) if table is out else []
         shard_fn(
@@ -174,6 +151,23 @@ def fully_shard_untied_embeddings(
         if reshard and isinstance(table, FSDPModule) and not _needs_weight_in_backward(model, table):
             table.set_unshard_in_backward(False)
     return [table for table, _ in candidates]
+
+
+def _tables_to_split(
+    model: nn.Module, inp: nn.Module | None, out: nn.Module | None, input_reshard: bool
+) -> list[tuple[nn.Module, bool]]:
+    """``(table, reshard_after_forward)`` for each table that gets its own unit; none when tied or small."""
+    if inp is None or out is None or inp is out:
+        return []
+    if {id(p) for p in inp.parameters()} & {id(p) for p in out.parameters()}:
+        return []
+    candidates = [
+        (table, reshard)
+        for table, reshard in ((inp, input_reshard), (out, False))
+        if _is_free_trainable_table(model, table)
+    ]
+    tables_numel = sum(p.numel() for table, _ in candidates for p in table.parameters())
+    return candidates if tables_numel > _largest_unit_numel(model) else []
 
 
 def _is_free_trainable_table(model: nn.Module, table: nn.Module) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable
+from functools import partial
+from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -66,20 +68,15 @@ def apply_fsdp_sharding(
 ) -> list[nn.Module]:
     """Wrap every element of every layer container of ``module`` as an FSDP unit (not the root).
 
-    Nested containers are walked into; plain modules on the way stay with the root, which the
-    caller wraps last (see :func:`fully_shard_root`). Reshard policy per unit: an explicit
-    ``reshard_after_forward`` wins; else False under pipeline parallel; else True except for the
-    last element of each container (it is needed first in backward). Prefetch is wired unless
-    disabled, pipeline-parallel, or ``reshard_after_forward=False``. Frozen multimodal modules
-    follow ``frozen_multimodal_sharding``: ``root`` (no units of their own), ``per_layer`` (sharded
-    like the rest, with a warning) or ``replicate`` (ignored by every unit: a full copy per rank).
+    The rules (units, reshard policy, prefetch, frozen multimodal towers) are in docs/behavior.md,
+    "Sharding"; the root is left to the caller (:func:`fully_shard_root`).
 
     Args:
         module: The model; left untouched if a check fails.
         mesh: The FSDP mesh (1-D, or 2-D ``(replicate, shard)`` for HSDP).
         mp_policy: Mixed precision for every unit (None = FSDP default).
         offload_policy: Offload policy for every unit (None = none).
-        reshard_after_forward: Explicit policy for every unit; None = the default above.
+        reshard_after_forward: Explicit policy for every unit; None = the documented default.
         enable_prefetch: Wire explicit forward/backward prefetch.
         forward_prefetch_depth: Units each unit all-gathers ahead in forward; 0 = off.
         backward_prefetch_depth: Units each unit all-gathers ahead in backward; 0 = off.
@@ -93,36 +90,48 @@ def apply_fsdp_sharding(
         The units, in order.
 
     Raises:
-        ValueError: for a bad policy or depth, or a tied parameter that two units would own —
-            before anything is wrapped.
+        ValueError: a bad policy or depth, or a tied parameter two units would own (nothing wrapped).
     """
     check_prefetch_depth("forward_prefetch_depth", forward_prefetch_depth)
     check_prefetch_depth("backward_prefetch_depth", backward_prefetch_depth)
-    frozen = find_frozen_multimodal_modules(module)
-    skipped = frozen_modules_to_skip(frozen, frozen_multimodal_sharding)
-    ignored = set(ignored_params or ()) | frozen_multimodal_ignored_params(frozen, frozen_multimodal_sharding)
-    candidates = select_fsdp_units(module, exclude=[*(exclude or ()), *skipped], ignored_params=ignored)
-    check_tied_parameters(module, [c.fqn for c in candidates])
-
-    units: list[nn.Module] = []
-    for candidate in candidates:
-        wrapped = shard_fn(
-            candidate.module,
-            mesh=mesh,
-            reshard_after_forward=_unit_reshard(candidate.last, reshard_after_forward, pipeline_parallel),
-            mp_policy=mp_policy or MixedPrecisionPolicy(),
-            offload_policy=offload_policy or OffloadPolicy(),
-            ignored_params=ignored or None,
-        )
-        if isinstance(wrapped, nn.Module) and wrapped is not candidate.module:
-            candidate.parent.register_module(candidate.name, wrapped)
-        units.append(wrapped if isinstance(wrapped, nn.Module) else candidate.module)
-
+    candidates, ignored = _candidates(module, frozen_multimodal_sharding, ignored_params, exclude)
+    shard = partial(
+        shard_fn,
+        mesh=mesh,
+        mp_policy=mp_policy or MixedPrecisionPolicy(),
+        offload_policy=offload_policy or OffloadPolicy(),
+        ignored_params=ignored or None,
+    )
+    reshard = partial(_unit_reshard, explicit=reshard_after_forward, pipeline_parallel=pipeline_parallel)
+    units = [_wrap(c, shard, reshard_after_forward=reshard(c.last)) for c in candidates]
     if enable_prefetch and not pipeline_parallel and reshard_after_forward is not False:
         wire_fsdp_prefetch(
             units, forward_depth=forward_prefetch_depth, backward_depth=backward_prefetch_depth
         )
     return units
+
+
+def _candidates(
+    module: nn.Module,
+    frozen_multimodal_sharding: str,
+    ignored_params: set[nn.Parameter] | None,
+    exclude: Iterable[nn.Module] | None,
+) -> tuple[list[UnitCandidate], set[nn.Parameter]]:
+    """The units to wrap and the parameters none of them shards, checked before anything is wrapped."""
+    frozen = find_frozen_multimodal_modules(module)
+    skipped = frozen_modules_to_skip(frozen, frozen_multimodal_sharding)
+    ignored = set(ignored_params or ()) | frozen_multimodal_ignored_params(frozen, frozen_multimodal_sharding)
+    candidates = select_fsdp_units(module, exclude=[*(exclude or ()), *skipped], ignored_params=ignored)
+    check_tied_parameters(module, [c.fqn for c in candidates])
+    return candidates, ignored
+
+
+def _wrap(candidate: UnitCandidate, shard_fn: Callable[..., nn.Module], **kwargs: Any) -> nn.Module:
+    """Shard one unit in place; a function that returns a new wrapper is registered in its parent."""
+    wrapped = shard_fn(candidate.module, **kwargs)
+    if isinstance(wrapped, nn.Module) and wrapped is not candidate.module:
+        candidate.parent.register_module(candidate.name, wrapped)
+    return wrapped if isinstance(wrapped, nn.Module) else candidate.module
 
 
 def _trainable_multimodal_in_root(model: nn.Module) -> bool:

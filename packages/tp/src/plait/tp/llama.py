@@ -42,22 +42,32 @@ def llama_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Parall
         )
     base_fqn, base = decoder
     prefix = f"{base_fqn}." if base_fqn else ""
-    layer = base.layers[0]
     sp = sequence_parallel
+    embedding = (
+        VocabParallelEmbedding(output_layouts=Shard(1), use_local_output=False)
+        if sp
+        else VocabParallelEmbedding()
+    )
+    plan: dict[str, ParallelStyle] = {f"{prefix}embed_tokens": embedding}
+    plan |= _layer_plan(base.layers[0], f"{prefix}layers.*.", sp)
+    head = output_head_fqn(model)
+    if isinstance(getattr(base, "norm", None), nn.Module):
+        final = SequenceParallelNorm() if head else SequenceParallelAllGather()
+        plan[f"{prefix}norm"] = final if sp else ReplicateParallel()
+    if sp and _rotary_needs_style(base):
+        plan[f"{prefix}rotary_emb"] = RotaryEmbeddingParallel()
+    if head is not None:
+        plan[head] = loss_parallel_head(sequence_parallel=sp)
+    return plan
 
-    def rowwise() -> RowwiseParallel:
-        return RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sp else RowwiseParallel()
 
-    plan: dict[str, ParallelStyle] = {
-        f"{prefix}embed_tokens": (
-            VocabParallelEmbedding(output_layouts=Shard(1), use_local_output=False)
-            if sp
-            else VocabParallelEmbedding()
-        )
-    }
-    layers = f"{prefix}layers.*."
-    attn = getattr(layer, "self_attn", None)
-    mlp = getattr(layer, "mlp", None)
+def _layer_plan(layer: nn.Module, layers: str, sp: bool) -> dict[str, ParallelStyle]:
+    """The entries under ``layers`` (``"<prefix>layers.*."``) for the children ``layer`` has."""
+    plan: dict[str, ParallelStyle] = {}
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    rowwise = (
+        (lambda: RowwiseParallel(output_layouts=Shard(1), use_local_output=False)) if sp else RowwiseParallel
+    )
     for norm in ("input_layernorm", "post_attention_layernorm"):
         if hasattr(layer, norm):
             plan[layers + norm] = SequenceParallelNorm() if sp else ReplicateParallel()
@@ -78,14 +88,6 @@ def llama_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Parall
             plan[f"{layers}mlp.{name}"] = ColwiseParallel()
     if hasattr(mlp, "down_proj"):
         plan[f"{layers}mlp.down_proj"] = rowwise()
-    head = output_head_fqn(model)
-    if isinstance(getattr(base, "norm", None), nn.Module):
-        final = SequenceParallelNorm() if head else SequenceParallelAllGather()
-        plan[f"{prefix}norm"] = final if sp else ReplicateParallel()
-    if sp and _rotary_needs_style(base):
-        plan[f"{prefix}rotary_emb"] = RotaryEmbeddingParallel()
-    if head is not None:
-        plan[head] = loss_parallel_head(sequence_parallel=sp)
     return plan
 
 
