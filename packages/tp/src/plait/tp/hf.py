@@ -230,29 +230,32 @@ def _sequence_parallel(
     for fqn in _unplanned_blocks(out, base, prefix):
         out[fqn] = SequenceParallelBlock()
     norms = _add_norms(out, base_fqn, base, sequence_parallel=True)
-    final = f"{prefix}norm"
-    if head not in out and isinstance(norms.get(final), SequenceParallelNorm):
-        norms[final] = SequenceParallelAllGather()  # the head is not in the plan: give it the full sequence
+    final = [f"{prefix}{name}" for name, child in base.named_children() if _is_norm(child)][-1:]
+    if head not in out and final and isinstance(norms.get(final[0]), SequenceParallelNorm):
+        norms[final[0]] = SequenceParallelAllGather()  # the head is not in the plan: the full sequence
     return norms
 
 
 def _add_norms(
     plan: dict[str, ParallelStyle], base_fqn: str, base: nn.Module, *, sequence_parallel: bool
 ) -> dict[str, ParallelStyle]:
-    """Give the decoder's norms (direct children of the layers, and the final ``norm``) replicated weights.
+    """Give the decoder's norms (direct children of any layer or of the decoder) replicated weights.
 
     Sequence-parallel norms under SP, else ``ReplicateParallel``, so that every parameter is a DTensor.
+    Found by class name, whatever the attribute is called (Phi's ``final_layernorm``).
     """
     prefix = f"{base_fqn}." if base_fqn else ""
-    norms = [
-        (f"{prefix}layers.0.{name}", f"{prefix}layers.*.{name}")
-        for name, child in base.layers[0].named_children()
+    norms = {
+        f"{prefix}layers.*.{name}": f"{prefix}layers.{index}.{name}"
+        for index, layer in enumerate(base.layers)
+        for name, child in layer.named_children()
         if _is_norm(child)
-    ]
-    if isinstance(getattr(base, "norm", None), nn.Module):
-        norms.append((f"{prefix}norm", f"{prefix}norm"))
+    }
+    norms.update(
+        {f"{prefix}{name}": f"{prefix}{name}" for name, child in base.named_children() if _is_norm(child)}
+    )
     out = dict(plan)
-    for fqn, pattern in norms:
+    for pattern, fqn in norms.items():
         if not any(fnmatchcase(fqn, key) for key in out):
             out[pattern] = SequenceParallelNorm() if sequence_parallel else ReplicateParallel()
     return out
