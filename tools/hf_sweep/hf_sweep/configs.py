@@ -97,7 +97,7 @@ def sweep_families(only: list[str] | None = None) -> list[str]:
 
 
 def tiny_config(model_type: str, tp: int) -> Any:
-    """The family's tiny config for ``tp`` (4 heads / 2 KV heads at tp 2, 8 / 4 at tp 4), eager attention."""
+    """The family's tiny config for ``tp`` (4 heads / 2 KV heads at tp 2, 8 / 4 at tp 4), eager attention, no dropout."""
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -108,5 +108,9 @@ def tiny_config(model_type: str, tp: int) -> Any:
     if "text_config" in config_cls.sub_configs:  # a composite config: the causal LM builds from its text part
         fields = {"text_config": fields}
     config = AutoConfig.for_model(model_type, **fields)
+    for name, value in config.to_dict().items():
+        # Random per-process noise (dropout, router jitter) differs between the two copies.
+        if ("dropout" in name or "jitter" in name) and isinstance(value, float) and value > 0:
+            setattr(config, name, 0.0)
     config._attn_implementation = "eager"
     return config
