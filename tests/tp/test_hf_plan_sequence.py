@@ -5,7 +5,7 @@ from __future__ import annotations
 import transformers
 from torch.distributed.tensor.parallel import ColwiseParallel
 
-from plait.tp import SequenceParallelBlock, SequenceParallelNorm, hf_tp_plan
+from plait.tp import ReplicateParallel, SequenceParallelBlock, SequenceParallelNorm, hf_tp_plan
 from tests.tp._models import hf_config
 
 MLP_ONLY = {
@@ -27,3 +27,16 @@ def test_unplanned_attention_runs_whole_under_sequence_parallel() -> None:
     assert type(plan["model.layers.*.input_layernorm"]) is SequenceParallelNorm
     without_sp = hf_tp_plan(model, False)
     assert without_sp is not None and not any("self_attn" in key for key in without_sp)
+
+
+def test_decoder_norms_are_found_whatever_their_name() -> None:
+    """Phi's final norm is ``final_layernorm``: under SP it must take the ``Shard(1)`` stream too."""
+    config = transformers.PhiConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4
+    )
+    model = transformers.PhiForCausalLM(config)
+    sp, plain = hf_tp_plan(model, True), hf_tp_plan(model, False)
+    assert sp is not None and plain is not None
+    assert type(sp["model.final_layernorm"]) is SequenceParallelNorm
+    assert type(sp["model.layers.*.input_layernorm"]) is SequenceParallelNorm
+    assert type(plain["model.final_layernorm"]) is ReplicateParallel
