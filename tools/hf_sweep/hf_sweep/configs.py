@@ -61,6 +61,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     },
     "gptj": {"rotary_dim": 16},  # rotary part of each head: at most head_dim (16 at tp 4)
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # no default layer types
+    "phimoe": {"router_jitter_noise": 0.0},  # 0.01 by default: random router noise in training
     "phi4_multimodal": {  # the towers are built by the causal LM too (27 + 24 large blocks by default)
         "vision_config": {**_TINY_TOWER, "num_hidden_layers": 1},
         "audio_config": {
@@ -71,6 +72,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
             "nemo_conv_channels": 32,
         },
     },
+    "seed_oss": {"attention_dropout": 0.0, "residual_dropout": 0.0},  # 0.1 by default: random masks
     "youtu": _LATENT,
 }
 
