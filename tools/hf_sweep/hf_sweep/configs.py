@@ -63,7 +63,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "hidden_size_per_layer_input": 16,
     },
     "gptj": {"rotary_dim": 16},  # rotary part of each head: at most head_dim (16 at tp 4)
-    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # no default layer types
+    # no default layer types; by default both layers would be dense (2 dense layers first)
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "phimoe": {"router_jitter_noise": 0.0},  # 0.01 by default: random router noise in training
     "phi4_multimodal": {  # the towers are built by the causal LM too (27 + 24 large blocks by default)
         "vision_config": {**_TINY_TOWER, "num_hidden_layers": 1},
