@@ -40,3 +40,20 @@ def test_decoder_norms_are_found_whatever_their_name() -> None:
     assert type(sp["model.final_layernorm"]) is SequenceParallelNorm
     assert type(sp["model.layers.*.input_layernorm"]) is SequenceParallelNorm
     assert type(plain["model.final_layernorm"]) is ReplicateParallel
+
+
+def test_colwise_on_fused_experts_weights_keeps_the_halves_together() -> None:
+    """Inkling's plans say ``colwise`` for ``gate_up_proj [experts, 2 * inter, hidden]``: read as packed."""
+    plan = {
+        "layers.*.mlp.experts.gate_up_proj": "colwise",
+        "layers.*.mlp.experts.down_proj": "rowwise",
+        "layers.*.mlp.experts": "moe_tp_experts",
+    }
+    config = transformers.MixtralConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, base_model_tp_plan=plan,
+    )  # fmt: skip
+    translated = hf_tp_plan(transformers.MixtralForCausalLM(config), False)
+    assert translated is not None
+    experts = translated["model.layers.*.mlp.experts"]
+    assert experts.param_styles == {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}

@@ -102,12 +102,33 @@ def _rope_dim(model: nn.Module, key: str) -> int:
     return rope
 
 
+def _fused_halves(model: nn.Module, key: str, params: dict[str, str]) -> dict[str, str]:
+    """Read ``colwise`` on fused 3-D experts weights as ``packed_colwise`` when the shapes say they are fused.
+
+    The row-wise weight's input features are the column-wise weight's outputs after the forward
+    combines them pairwise (``gate * act(up)``): a column-wise output twice the row-wise input holds
+    two fused halves, and a plain split would give one rank all gates and the other all ups
+    (Inkling's plans say ``colwise`` for ``gate_up_proj [experts, 2 * inter, hidden]``).
+    """
+    owner = next((m for fqn, m in model.named_modules() if fnmatchcase(fqn, key)), None)
+    if owner is None:
+        return params
+    weights = {n: p for n, p in owner.named_parameters(recurse=False) if p.ndim == 3}
+    inner = {weights[n].shape[-1] for n, style in params.items() if style == "rowwise" and n in weights}
+    return {
+        n: "packed_colwise"
+        if style == "colwise" and n in weights and weights[n].shape[-2] in {2 * i for i in inner}
+        else style
+        for n, style in params.items()
+    }
+
+
 def _translate(model: nn.Module, key: str, style: Any, params: dict[str, str]) -> ParallelStyle:
     """One module entry as a style; ``params`` are the plan's entries for that module's own parameters."""
     if isinstance(style, ParallelStyle):
         return style
     if style == "moe_tp_experts":
-        return ExpertsTensorParallel(params)
+        return ExpertsTensorParallel(_fused_halves(model, key, params))
     if style == "local_params":
         return LocalParamsParallel(params)
     if params:
