@@ -56,6 +56,18 @@ def test_language_config_text_config_first_then_deepest_language_path() -> None:
         validate_tp_mesh(vlm, 2)
 
 
+def test_nested_sub_model_config_is_not_the_language_config() -> None:
+    # phi4_multimodal: the root config sizes the decoder; a deeper vision tower has its own config
+    model = ConfiguredLM(heads=4, kv_heads=4)
+    model.model.vision = nn.Module()
+    model.model.vision.tower = nn.Module()
+    model.model.vision.tower.config = SimpleNamespace(num_attention_heads=2)
+    validate_tp_mesh(model, 4)
+    model.model.config = SimpleNamespace(num_attention_heads=6, num_key_value_heads=6)
+    with pytest.raises(ValueError, match=r"num_attention_heads \(6\)"):  # the decoder's own config
+        validate_tp_mesh(model, 4)
+
+
 def test_invalid_sizes_and_heads() -> None:
     with pytest.raises(ValueError, match="tp_size must be a positive int, got 0"):
         validate_tp_mesh(ConfiguredLM(), 0)

@@ -7,7 +7,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from plait.tp.discovery import language_rank
+from plait.tp.discovery import find_decoder, language_rank
 
 __all__ = ["Q_HEAD_ATTRS", "KV_HEAD_ATTRS", "check_divisible", "validate_tp_mesh"]
 
@@ -19,20 +19,33 @@ def _text_config(config: Any) -> Any:
     return getattr(config, "text_config", None) or config
 
 
+def _heads_config(module: nn.Module) -> Any:
+    config = _text_config(getattr(module, "config", None))
+    return config if hasattr(config, "num_attention_heads") else None
+
+
 def _language_config(model: nn.Module) -> Any:
-    """``config.text_config`` first, else the config with ``num_attention_heads`` on the deepest language path."""
+    """The config that sizes the decoder's attention, never a nested (vision / audio) sub-model's.
+
+    ``config.text_config`` first; else the config of the decoder stack or its nearest configured
+    ancestor; else a configured module on a ``language_model`` / ``text_model`` path (shallowest),
+    then the shallowest configured module.
+    """
     root = getattr(model, "config", None)
     if getattr(root, "text_config", None) is not None:
         return root.text_config
-    best: tuple[tuple[int, int], Any] | None = None
-    for fqn, module in model.named_modules():
-        config = _text_config(getattr(module, "config", None))
-        if config is None or not hasattr(config, "num_attention_heads"):
-            continue
-        rank = (language_rank(fqn), fqn.count(".") + bool(fqn))
-        if best is None or rank > best[0]:
-            best = (rank, config)
-    return None if best is None else best[1]
+    modules = dict(model.named_modules())
+    decoder = find_decoder(model)
+    if decoder is not None:
+        parts = decoder[0].split(".") if decoder[0] else []
+        for depth in range(len(parts), -1, -1):
+            config = _heads_config(modules[".".join(parts[:depth])])
+            if config is not None:
+                return config
+    found = [(fqn, c) for fqn, m in modules.items() if (c := _heads_config(m)) is not None]
+    if not found:
+        return None
+    return min(found, key=lambda item: (-language_rank(item[0]), item[0].count(".") + bool(item[0])))[1]
 
 
 def check_divisible(name: str, value: Any, tp_size: int) -> None:
@@ -50,8 +63,8 @@ def check_divisible(name: str, value: Any, tp_size: int) -> None:
 def validate_tp_mesh(model: nn.Module, tp_size: int | DeviceMesh) -> None:
     """Check the model's attention heads split evenly over ``tp_size`` ranks (a TP mesh is accepted too).
 
-    Reads the language config (``config.text_config`` first, else the config with
-    ``num_attention_heads`` on the deepest language path); ``num_key_value_heads`` defaults to
+    Reads the language config (``config.text_config`` first, else the decoder stack's config, else
+    the shallowest config with ``num_attention_heads`` on a language path); ``num_key_value_heads`` defaults to
     ``num_attention_heads``. A model without such a config has nothing to check. Runs no collective.
 
     Raises:
