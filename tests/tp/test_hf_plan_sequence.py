@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import transformers
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 from plait.tp import ReplicateParallel, SequenceParallelBlock, SequenceParallelNorm, hf_tp_plan
@@ -57,3 +58,16 @@ def test_colwise_on_fused_experts_weights_keeps_the_halves_together() -> None:
     assert translated is not None
     experts = translated["model.layers.*.mlp.experts"]
     assert experts.param_styles == {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
+
+
+def test_a_local_params_block_runs_whole_under_sequence_parallel_keeping_its_style() -> None:
+    """Granite-SWA's attention is ``local_params`` (its sinks sharded by head): under SP it runs whole."""
+    config = transformers.AutoConfig.for_model(
+        "granite_swa", vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    plan = hf_tp_plan(transformers.AutoModelForCausalLM.from_config(config), True)
+    assert plan is not None
+    block = plan["model.layers.*.self_attn"]
+    assert type(block) is SequenceParallelBlock and block.param_styles == {"sinks": "colwise"}
+    assert plan["model.layers.*.self_attn.o_proj"].output_layouts == (Replicate(),)  # as without SP

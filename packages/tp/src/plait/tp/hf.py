@@ -184,9 +184,11 @@ def _whole_sequence_blocks(plan: dict[str, ParallelStyle], layers: str) -> set[s
     """
     blocks = set()
     for key, style in plan.items():
-        if key.startswith(layers) and "." in key[len(layers) :] and type(style) not in _SEQUENCE_READY:
+        if not key.startswith(layers) or type(style) in _SEQUENCE_READY:
+            continue
+        if "." in key[len(layers) :] or getattr(style, "param_styles", None):  # inside, or the block's own
             blocks.add(_block(key, layers))
-    return {b for b in blocks if f"{layers}{b}" not in plan}
+    return blocks
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -247,7 +249,8 @@ def _sequence_parallel(
                 f"({type(style).__name__}) of {_family(model)}; set sequence_parallel=False or pass tp_plan="
             )
     for block in sorted(whole):
-        out[f"{layers}{block}"] = SequenceParallelBlock()
+        # A block with its own style (attention sinks, local_params) keeps it inside the wrapper.
+        out[f"{layers}{block}"] = SequenceParallelBlock(plan.get(f"{layers}{block}"))
     for fqn in _unplanned_blocks(out, base, prefix):
         out[fqn] = SequenceParallelBlock()
     norms = _add_norms(out, base_fqn, base, sequence_parallel=True)

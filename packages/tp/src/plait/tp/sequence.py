@@ -142,14 +142,31 @@ class SequenceParallelBlock(ParallelStyle):
     """Run a whole block (attention or MLP) on the full sequence inside a sequence-parallel model.
 
     For blocks whose inner styles cannot take a sequence-sharded input (fused experts, latent
-    attention): the ``Shard(1)`` hidden states (first positional argument, else ``hidden_states``)
+    attention, a block that is itself ``local_params``, given as ``inner``): the ``Shard(1)`` hidden states (first positional argument, else ``hidden_states``)
     are all-gathered into a plain tensor, the block runs as under TP without SP (its output whole
     on every rank), and the output (or the first element of a tuple output) is handed back as a
     ``Shard(1)`` DTensor: this rank's sequence slice, all-gathered again in backward.
     """
 
+    def __init__(self, inner: ParallelStyle | None = None) -> None:
+        super().__init__()
+        self.inner = inner
+
+    @property
+    def param_styles(self) -> dict[str, str]:
+        """The inner style's own sharded parameters (a block that is itself ``local_params``)."""
+        return dict(getattr(self.inner, "param_styles", {}))
+
+    def validate(self, fqn: str, module: nn.Module, tp_size: int) -> None:
+        """The inner style's own check, before any style communicates."""
+        validate = getattr(self.inner, "validate", None)
+        if callable(validate):
+            validate(fqn, module, tp_size)
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         check_1d(self, device_mesh)
+        if self.inner is not None:  # e.g. attention sinks: the block's own style, run inside the hooks
+            module = self.inner._apply(module, device_mesh)
         module.register_forward_pre_hook(partial(_block_pre_hook, device_mesh), with_kwargs=True)
         module.register_forward_hook(partial(_block_post_hook, device_mesh))
         return module
