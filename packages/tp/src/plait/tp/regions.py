@@ -117,6 +117,8 @@ def _check_root_params(model: nn.Module, region: Region, styles: dict[str, Paral
 def install_region_hooks(model: nn.Module, regions: list[Region]) -> None:
     """Hook each region's block (its inputs) and sharded projections (their outputs); after the styles ran."""
     for region in regions:
-        model.get_submodule(region.fqn).register_forward_pre_hook(region.state.enter, with_kwargs=True)
+        block = model.get_submodule(region.fqn)
+        block.register_forward_pre_hook(region.state.enter, with_kwargs=True)
+        block.register_forward_hook(region.state.leave)
         for fqn in region.projections:
             model.get_submodule(fqn).register_forward_hook(region.state.mark)

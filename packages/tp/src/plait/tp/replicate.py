@@ -8,6 +8,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
@@ -36,10 +37,11 @@ class ShardedRegion:
         self.name = name
         self._sharded: set[Any] = set()
         self._stops: set[Any] = set()
+        self._whole: list[tuple[Any, list[torch.Tensor], dist.ProcessGroup]] = []
 
     def enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Forward pre-hook of the block: a new call, whose inputs bound the graph walk."""
-        self._sharded = set()
+        self._sharded, self._whole = set(), []
         values = [*args, *kwargs.values()]
         self._stops = {v.grad_fn for v in values if isinstance(v, torch.Tensor) and v.grad_fn is not None}
 
@@ -62,6 +64,41 @@ class ShardedRegion:
             seen.add(node)
             stack.extend(next_node for next_node, _ in node.next_functions)
         return False
+
+    def watch(self, output: Any, params: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+        """A module on a whole input ran: ``leave`` decides whether its output reached the shards."""
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None and params:
+            self._whole.append((output.grad_fn, params, group))
+
+    def leave(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """Forward hook of the block: sum the gradients of whole-input modules whose output met shards.
+
+        Such an output used directly with sharded activations (DeepSeek-style latent attention's
+        shared RoPE key broadcast to this rank's heads, Dots3's ``k_rope_only_layernorm``) gets a
+        partial gradient; one that reaches them only through a column-wise projection gets a
+        complete one (the projection sums its input gradient). Found by walking back from the
+        block's outputs, stopping at projection outputs and at the block's inputs.
+        """
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        stack = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and self.sees_shards(o)]
+        watched, seen = {node: i for i, (node, _, _) in enumerate(self._whole)}, set()
+        while stack and watched:
+            node = stack.pop()
+            if node is None or node in seen or node in self._stops or node in self._sharded:
+                continue
+            seen.add(node)
+            if node in watched:
+                _, params, group = self._whole[watched.pop(node)]
+                for param in params:
+                    param.register_hook(partial(_all_reduce_grad, group))
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        self._whole = []
+
+
+def _all_reduce_grad(group: dist.ProcessGroup, grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.clone()
+    dist.all_reduce(grad, group=group)
+    return grad
 
 
 def sum_partial_grad(grad: torch.Tensor) -> torch.Tensor:
@@ -120,25 +157,26 @@ def _grad_placement(style: ReplicateParallel, first: Any) -> Placement:
 
 
 @contextmanager
-def _local_state(module: nn.Module, grad_placement: Placement) -> Iterator[None]:
+def _local_state(module: nn.Module, grad_placement: Placement) -> Iterator[list[torch.Tensor]]:
     """Swap the replicated DTensor parameters and buffers of ``module`` and its children for local tensors.
 
     Written to the registries directly, as FSDP2 does with its unsharded parameters, and put back on
     exit, so state_dict and optimizers never see the local ones. Children too: ``distribute_module``
     replicates a nested norm's or gate's parameters as well (AXK2's gated norm).
     """
-    saved = []
+    saved, local = [], []
     for sub in module.modules():
         params, buffers = dict(sub._parameters), dict(sub._buffers)
         saved.append((sub, params, buffers))
         for name, param in params.items():
             if _replicated(param):
                 sub._parameters[name] = param.to_local(grad_placements=[grad_placement])
+                local.append(sub._parameters[name])
         for name, buffer in buffers.items():
             if _replicated(buffer):  # distribute_module replicates buffers too (XIELU's beta)
                 sub._buffers[name] = buffer.to_local()
     try:
-        yield
+        yield local
     finally:
         for sub, params, buffers in saved:
             sub._parameters.update(params)
@@ -161,8 +199,11 @@ def _replicated_forward(
     if isinstance(first, DTensor):
         out = forward(*args, **kwargs)
         return out.to_local() if style.use_local_output and isinstance(out, DTensor) else out
-    with _local_state(module, _grad_placement(style, first)):
+    placement = _grad_placement(style, first)
+    with _local_state(module, placement) as local:
         out = forward(*args, **kwargs)
+    if style.region is not None and isinstance(placement, Replicate):
+        style.region.watch(out, [p for p in local if p.requires_grad], mesh.get_group())
     if style.use_local_output or not isinstance(out, torch.Tensor) or not isinstance(first, torch.Tensor):
         return out
     layout = style.input_layouts
