@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from plait.models import MoEDecoder, MoEDecoderConfig
-from tests.sidecar._parity import ADAMW_LR, SGD_LR, global_batch, logits_of
+from plait.testing.driver import ADAMW_LR, SGD_LR, logits_of
+from tests.sidecar._parity import global_batch
 from tests.sidecar._routing_margin import MIN_MARGIN, record_routing_margins
 
 CONFIGS = {
