@@ -250,7 +250,12 @@ def _sequence_parallel(
             )
     for block in sorted(whole):
         # A block with its own style (attention sinks, local_params) keeps it inside the wrapper.
-        out[f"{layers}{block}"] = SequenceParallelBlock(plan.get(f"{layers}{block}"))
+        # One entry per layer: fnmatch's `*` also crosses dots (`layers.*.mlp` would match AXK2's
+        # `layers.0.input_layernorm.mlp`).
+        for index, layer in enumerate(base.layers):
+            if isinstance(getattr(layer, block, None), nn.Module):
+                out[f"{prefix}layers.{index}.{block}"] = SequenceParallelBlock(plan.get(f"{layers}{block}"))
+        out.pop(f"{layers}{block}", None)
     for fqn in _unplanned_blocks(out, base, prefix):
         out[fqn] = SequenceParallelBlock()
     norms = _add_norms(out, base_fqn, base, sequence_parallel=True)
