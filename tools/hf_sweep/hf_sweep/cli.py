@@ -42,9 +42,9 @@ def _run_family(model_type: str, timeout: float, case_timeout: float) -> list[di
     return records
 
 
-def _run_in_process(model_type: str, case_timeout: float) -> list[dict[str, Any]]:
+def _run_in_process(model_type: str, case_timeout: float, dtype: str) -> list[dict[str, Any]]:
     try:
-        return list(run_family(model_type, case_timeout))
+        return list(run_family(model_type, case_timeout, dtype))
     except Exception as exc:  # building the family's config or model failed outside the ranks
         message = f"{type(exc).__name__}: {str(exc)[:400]}"
         return [{"family": model_type, "case": n, "status": "crash", "message": message} for n, _, _ in CASES]
@@ -85,8 +85,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="one subprocess per family (also survives a crash of the test process itself; slower)",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "float64"],
+        default="float32",
+        help="model dtype (float64: is a float32 MISMATCH rounding? use with --out elsewhere)",
+    )
     parser.add_argument("--resume", action="store_true", help="skip families already in results.jsonl")
     args = parser.parse_args(argv)
+    if args.isolate and args.dtype != "float32":
+        parser.error("--isolate runs float32 only; drop --isolate to sweep in float64")
     from hf_sweep.configs import sweep_families
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -101,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.isolate:
                 records = _run_family(model_type, args.timeout, args.case_timeout)
             else:
-                records = _run_in_process(model_type, args.case_timeout)
+                records = _run_in_process(model_type, args.case_timeout, args.dtype)
             with jsonl.open("a") as f:
                 for r in records:
                     r["seconds"] = round(time.monotonic() - start, 1)

@@ -18,7 +18,7 @@ def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     return {**per_rank[0], "status": worst["status"], "message": worst.get("message", "")}
 
 
-def run_family(model_type: str, timeout: float) -> Iterator[dict[str, Any]]:
+def run_family(model_type: str, timeout: float, dtype: str = "float32") -> Iterator[dict[str, Any]]:
     """Each mesh configuration of one family on 4 gloo ranks, one record per configuration."""
     import transformers  # noqa: F401  (preloaded into the rank workers)
 
@@ -27,7 +27,7 @@ def run_family(model_type: str, timeout: float) -> Iterator[dict[str, Any]]:
 
     for name, tp, sp in CASES:
         try:
-            record = _merge(run_on_ranks(run_case, 4, model_type, tp, sp, timeout=timeout))
+            record = _merge(run_on_ranks(run_case, 4, model_type, tp, sp, dtype, timeout=timeout))
         except Exception as exc:  # a hang (timeout) or a dead rank: the workers are discarded
             record = {"status": "crash", "message": f"{type(exc).__name__}: {str(exc)[:400]}"}
         yield {"family": model_type, "case": name, **record}

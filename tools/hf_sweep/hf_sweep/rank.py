@@ -22,11 +22,11 @@ LR = 0.5
 TOLERANCE = 1e-5
 
 
-def _build(model_type: str, tp: int) -> nn.Module:
+def _build(model_type: str, tp: int, dtype: torch.dtype) -> nn.Module:
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, tp)).float()
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, tp)).to(dtype)
     with torch.no_grad():  # zero-initialised vectors (Gemma's 1 + w norms) would hide gradient errors
         for param in model.parameters():
             if param.ndim == 1:
@@ -38,7 +38,9 @@ def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     logits = model(input_ids=ids[:, :-1]).logits
     sharded = isinstance(logits, DTensor)
     with loss_parallel() if sharded else nullcontext():
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+        loss = F.cross_entropy(
+            logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)), ids[:, 1:].flatten()
+        )
         loss.backward()
     return (loss.full_tensor() if sharded else loss).detach()
 
@@ -74,15 +76,18 @@ def _is_refusal(exc: BaseException) -> bool:
     return bool(frames) and "/plait/" in frames[-1].filename
 
 
-def run_case(model_type: str, tp: int, sp: bool) -> dict[str, Any]:
-    """Parallelize (dp_shard = world / tp) and compare; every rank returns the same kind of record."""
+def run_case(model_type: str, tp: int, sp: bool, dtype: str = "float32") -> dict[str, Any]:
+    """Parallelize (dp_shard = world / tp) and compare; every rank returns the same kind of record.
+
+    ``dtype="float64"`` tells a real error from float32 rounding that a family's numerics amplify.
+    """
     from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
     from plait.sidecar import parallelize_model
 
     world, rank = dist.get_world_size(), dist.get_rank()
     dp, dp_rank = world // tp, rank // tp
     try:
-        ref = _build(model_type, tp)
+        ref = _build(model_type, tp, getattr(torch, dtype))
     except Exception as exc:  # the tiny config does not build: needs an override, not a plait result
         return {"status": "config", "message": f"{type(exc).__name__}: {exc}"[:400]}
     try:
