@@ -144,12 +144,9 @@ def test_bad_recipe_is_one_line_and_writes_nothing(override: str, message: str, 
     assert not run_dir.exists()
 
 
-def test_plan_llama3_8b_on_1024_ranks():
-    proc = _run(
-        ["-m", "plait.train", "plan", "--world-size", "1024", "--set", "model.preset=llama3-8b"], timeout=240
-    )
-    _ok(proc)
-    out = proc.stdout
+def test_plan_llama3_8b_on_1024_ranks(capsys: pytest.CaptureFixture[str]):
+    assert main(["plan", "--world-size", "1024", "--set", "model.preset=llama3-8b"]) == 0
+    out = capsys.readouterr().out
     total = 8_030_261_248  # Llama-3-8B, untied embeddings
     assert f"parameters: {total:,} total" in out
     per_rank = int(re.search(r"parameters per rank: ([\d,]+)", out).group(1).replace(",", ""))

@@ -17,7 +17,13 @@ from torch.distributed.tensor.placement_types import Placement
 
 from plait.tp.embedding import check_1d
 
-__all__ = ["ReplicateParallel", "ReplicatedWithGradAllReduce", "ShardedRegion", "sum_partial_grad"]
+__all__ = [
+    "ReplicateParallel",
+    "ReplicatedWithGradAllReduce",
+    "ShardedRegion",
+    "replicate_own_params",
+    "sum_partial_grad",
+]
 
 
 class ShardedRegion:
@@ -108,6 +114,25 @@ def sum_partial_grad(grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
+def replicate_own_params(name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+    """`distribute_module` partition function: the module's own parameters become ``Replicate()``.
+
+    Own parameters only: ``distribute_module`` calls it for every submodule, and torch's default
+    registers nested names (AXK2's gated norm), which nn.Module refuses. Each gets
+    :func:`sum_partial_grad`, so its gradient is complete over the TP group.
+    """
+    for p_name, param in list(module.named_parameters(recurse=False)):
+        if isinstance(param, DTensor):
+            continue
+        replicated = nn.Parameter(
+            DTensor.from_local(param, device_mesh, [Replicate()], run_check=False),
+            requires_grad=param.requires_grad,
+        )
+        if replicated.requires_grad:
+            replicated.register_hook(sum_partial_grad)
+        module.register_parameter(p_name, replicated)
+
+
 class ReplicateParallel(ParallelStyle):
     """Keep a module whole on every TP rank, its parameters as ``Replicate()`` DTensors.
 
@@ -130,21 +155,9 @@ class ReplicateParallel(ParallelStyle):
         self.use_local_output = use_local_output
         self.region: ShardedRegion | None = None
 
-    def _replicate_params(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        for p_name, param in list(module.named_parameters(recurse=False)):
-            if isinstance(param, DTensor):
-                continue
-            replicated = nn.Parameter(
-                DTensor.from_local(param, device_mesh, [Replicate()], run_check=False),
-                requires_grad=param.requires_grad,
-            )
-            if replicated.requires_grad:
-                replicated.register_hook(sum_partial_grad)
-            module.register_parameter(p_name, replicated)
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         check_1d(self, device_mesh)
-        distribute_module(module, device_mesh, self._replicate_params)
+        distribute_module(module, device_mesh, replicate_own_params)
         module.forward = partial(_replicated_forward, module, module.forward, self, device_mesh)
         return module
 

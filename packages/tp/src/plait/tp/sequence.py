@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from plait.tp.embedding import check_1d
-from plait.tp.replicate import sum_partial_grad
+from plait.tp.replicate import replicate_own_params
 
 __all__ = [
     "GatherSequenceInput",
@@ -32,18 +32,7 @@ class SequenceParallelNorm(SequenceParallel):
     """
 
     def _replicate_module_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        # Own parameters only: distribute_module calls this for every submodule, and torch's version
-        # registers nested names (AXK2's gated norm), which nn.Module refuses.
-        for p_name, param in list(module.named_parameters(recurse=False)):
-            if isinstance(param, DTensor):
-                continue
-            replicated = nn.Parameter(
-                DTensor.from_local(param, device_mesh, [Replicate()], run_check=False),
-                requires_grad=param.requires_grad,
-            )
-            if replicated.requires_grad:
-                replicated.register_hook(sum_partial_grad)
-            module.register_parameter(p_name, replicated)
+        replicate_own_params(name, module, device_mesh)
 
 
 class SequenceParallelAllGather(SequenceParallelNorm):
