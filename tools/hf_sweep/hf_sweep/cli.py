@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", type=Path, default=HERE / "results", help="folder for results.jsonl/.json/.md"
     )
-    parser.add_argument("--timeout", type=float, default=1500.0, help="seconds per family (all cases)")
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="with --isolate: seconds per family (default 1500)"
+    )
     parser.add_argument("--case-timeout", type=float, default=450.0, help="seconds per mesh configuration")
     parser.add_argument("--report-only", action="store_true", help="rebuild the report from results.jsonl")
     parser.add_argument(
@@ -95,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.isolate and args.dtype != "float32":
         parser.error("--isolate runs float32 only; drop --isolate to sweep in float64")
+    if args.timeout is not None and not args.isolate:
+        parser.error("--timeout applies to --isolate (one process per family); use --case-timeout")
+    family_timeout = 1500.0 if args.timeout is None else args.timeout
     from hf_sweep.configs import sweep_families
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         for model_type in families:
             start = time.monotonic()
             if args.isolate:
-                records = _run_family(model_type, args.timeout, args.case_timeout)
+                records = _run_family(model_type, family_timeout, args.case_timeout)
             else:
                 records = _run_in_process(model_type, args.case_timeout, args.dtype)
             with jsonl.open("a") as f:
@@ -115,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                     r["seconds"] = round(time.monotonic() - start, 1)
                     f.write(json.dumps(r) + "\n")
                     print(_line(r), flush=True)
+    if not jsonl.exists():
+        parser.error(f"no {jsonl}: run the sweep first (without --report-only)")
     records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
     latest = {(r["family"], r["case"]): r for r in records}  # a rerun replaces a family's earlier lines
     results = sorted(latest.values(), key=lambda r: (r["family"], r["case"]))
