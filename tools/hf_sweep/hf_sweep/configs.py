@@ -47,6 +47,7 @@ _TINY_TOWER = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads"
 OVERRIDES: dict[str, dict[str, Any]] = {
     # families whose configs need more than the common fields to build at this size
     "axk1": _LATENT,
+    "beam": {"mlp_layer_types": ["dense", "sparse"]},  # both dense by default at 2 layers: no experts to shard
     "codegen": {"rotary_dim": 16},  # rotary part of each head: at most head_dim (16 at tp 4)
     "cohere_compass_text": {  # rope per layer type; the default has no entry for its full-attention layers
         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
@@ -57,6 +58,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # picks expert 0 twice, so the gate's gradient is exactly 0 and the sweep would compare rounding noise
     "deepseek_v4": {"mlp_layer_types": ["moe", "moe"]},
     "dots3_note_text": _LATENT,
+    "flint": {"mlp_only_layers": [0]},  # every layer dense by default at this size
+    "gemma4_text": {"enable_moe_block": True, "top_k_experts": 2},  # the MoE block is off by default
     "gemma3n_text": {  # one of the two layers reuses the other's KV (default: the last 15 of 35 layers)
         "num_kv_shared_layers": 1,
         "vocab_size_per_layer_input": VOCAB,  # per-layer input embeddings: 262k x 256 per layer by default

@@ -4,12 +4,23 @@ from plait.tp.apply import apply_tp
 from plait.tp.async_tp import enable_async_tp
 from plait.tp.discovery import find_decoder, model_embeddings, module_fqn
 from plait.tp.embedding import VocabParallelEmbedding
-from plait.tp.experts import ExpertsTensorParallel, LocalParamsParallel, MlaKvAProjParallel, param_placement
+from plait.tp.experts import (
+    AllReduceParallel,
+    ExpertsTensorParallel,
+    LocalParamsParallel,
+    MlaKvAProjParallel,
+    param_placement,
+)
 from plait.tp.hf import hf_tp_plan, is_remote_code_model
 from plait.tp.llama import llama_tp_plan
 from plait.tp.regions import plan_regions
 from plait.tp.registry import register_model_tp_plan, register_tp_plan
-from plait.tp.replicate import ReplicatedWithGradAllReduce, ReplicateParallel, ShardedRegion
+from plait.tp.replicate import (
+    ReplicatedWithGradAllReduce,
+    ReplicateOwnParams,
+    ReplicateParallel,
+    ShardedRegion,
+)
 from plait.tp.resolve import resolve_tp_plan
 from plait.tp.sequence import (
     GatherSequenceInput,
@@ -22,11 +33,13 @@ from plait.tp.styles import REFUSED_STYLES, loss_parallel_head, parse_style
 from plait.tp.validate import validate_tp_mesh
 
 __all__ = [
+    "AllReduceParallel",
     "REFUSED_STYLES",
     "ExpertsTensorParallel",
     "GatherSequenceInput",
     "LocalParamsParallel",
     "MlaKvAProjParallel",
+    "ReplicateOwnParams",
     "ReplicateParallel",
     "ReplicatedWithGradAllReduce",
     "RotaryEmbeddingParallel",

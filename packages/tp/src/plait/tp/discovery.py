@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["find_decoder", "language_rank", "model_embeddings", "module_fqn", "output_head_fqn"]
+__all__ = [
+    "family_name",
+    "find_decoder",
+    "language_rank",
+    "model_embeddings",
+    "module_fqn",
+    "output_head_fqn",
+]
 
 _LANGUAGE_PARTS = ("language_model", "text_model")
 
@@ -12,6 +19,12 @@ _LANGUAGE_PARTS = ("language_model", "text_model")
 def language_rank(fqn: str) -> int:
     """1 when ``fqn`` lies on a ``language_model`` / ``text_model`` path, else 0 (for preferring those)."""
     return int(any(part in _LANGUAGE_PARTS for part in fqn.split(".")))
+
+
+def family_name(model: nn.Module) -> str:
+    """The model's class and Hugging Face ``model_type`` (when it has one), for messages."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return f"{type(model).__name__} (model_type {model_type!r})" if model_type else type(model).__name__
 
 
 def find_decoder(model: nn.Module) -> tuple[str, nn.Module] | None:

@@ -19,6 +19,7 @@ from plait.tp.replicate import ReplicateParallel
 
 __all__ = [
     "PARAM_STYLES",
+    "AllReduceParallel",
     "ExpertsTensorParallel",
     "LocalParamsParallel",
     "MlaKvAProjParallel",
@@ -158,6 +159,23 @@ class ExpertsTensorParallel(_ShardOwnParams):
                 f"ExpertsTensorParallel expects the experts to return a tensor, got {type(output)}"
             )
         return _SumForward.apply(output, mesh.get_group())
+
+
+class AllReduceParallel(ExpertsTensorParallel):
+    """A module whose own weights the plan shards, column- then row-wise, with its output summed over TP.
+
+    Hugging Face's ``all_reduce`` owner style (Inkling's shared experts: 3-D ``gate_proj`` /
+    ``up_proj`` column-wise, ``down_proj`` row-wise): like :class:`ExpertsTensorParallel`, but every
+    floating-point input enters whole with its gradient summed (the owner's own argument order,
+    e.g. ``(hidden_states, gammas)``), not only the experts' hidden states and routing weights.
+    """
+
+    def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any], mesh: DeviceMesh) -> tuple[Any, Any]:
+        group = mesh.get_group()
+        return (
+            tuple(_whole_with_summed_grad(a, group) for a in args),
+            {k: _whole_with_summed_grad(v, group) for k, v in kwargs.items()},
+        )
 
 
 def _whole_with_summed_grad(value: Any, group: dist.ProcessGroup) -> Any:

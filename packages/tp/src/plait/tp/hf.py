@@ -2,27 +2,27 @@
 
 from __future__ import annotations
 
+import warnings
 from fnmatch import fnmatchcase
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-)
+from torch.distributed.tensor.parallel import ParallelStyle
 
-from plait.tp.discovery import find_decoder, language_rank, model_embeddings, module_fqn
+from plait.tp.discovery import family_name, language_rank, model_embeddings, module_fqn
 from plait.tp.embedding import VocabParallelEmbedding
-from plait.tp.experts import PARAM_STYLES, ExpertsTensorParallel, LocalParamsParallel, MlaKvAProjParallel
+from plait.tp.experts import (
+    PARAM_STYLES,
+    AllReduceParallel,
+    ExpertsTensorParallel,
+    LocalParamsParallel,
+    MlaKvAProjParallel,
+)
+from plait.tp.hf_sequence import layer_containers, replicated_norms, sequence_parallel_plan
 from plait.tp.registry import register_tp_plan
-from plait.tp.replicate import ReplicatedWithGradAllReduce, ReplicateParallel
-from plait.tp.sequence import SequenceParallelAllGather, SequenceParallelBlock, SequenceParallelNorm
 from plait.tp.styles import REFUSED_STYLES, loss_parallel_head, parse_style
 
 __all__ = ["hf_tp_plan", "is_remote_code_model"]
-
 _HEAD_STYLES = frozenset({"colwise_rep", "colwise_gather_output", "colwise"})
 
 
@@ -59,14 +59,9 @@ def _collect(model: nn.Module) -> dict[str, Any]:
     return plan
 
 
-def _family(model: nn.Module) -> str:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    return f"{type(model).__name__} (model_type {model_type!r})" if model_type else type(model).__name__
-
-
 def _refuse(model: nn.Module, key: str, style: Any, why: str) -> ValueError:
     return ValueError(
-        f"the Hugging Face TP plan of {_family(model)} uses style {style!r} for {key!r}: {why}; pass tp_plan= "
+        f"the Hugging Face TP plan of {family_name(model)} uses style {style!r} for {key!r}: {why}; pass tp_plan= "
         "(a dict, a registered plan name, or 'pkg.mod:ATTR') without it, or use tp_size 1"
     )
 
@@ -131,6 +126,8 @@ def _translate(model: nn.Module, key: str, style: Any, params: dict[str, str]) -
         return ExpertsTensorParallel(_fused_halves(model, key, params))
     if style == "local_params":
         return LocalParamsParallel(params)
+    if style == "all_reduce" and params:
+        return AllReduceParallel(_fused_halves(model, key, params))
     if params:
         raise _refuse(
             model,
@@ -170,124 +167,23 @@ def _translate_all(model: nn.Module, raw: dict[str, Any], head: str | None) -> d
     return plan
 
 
-_SEQUENCE_READY = (ColwiseParallel, RowwiseParallel, ReplicatedWithGradAllReduce)
+def _present(model: nn.Module, raw: dict[str, Any]) -> dict[str, Any]:
+    """The entries that name a module or parameter this instance has.
 
-
-def _block(key: str, layers: str) -> str:
-    return key[len(layers) :].split(".", 1)[0]
-
-
-def _whole_sequence_blocks(plan: dict[str, ParallelStyle], layers: str) -> set[str]:
-    """Layer children (``mlp``, ``self_attn``) holding an entry that cannot take a sequence-sharded input.
-
-    Such a block (fused experts, latent attention, local parameters) runs on the gathered sequence.
+    A family's plan covers every layout its config can build (MoE layers, a vision adapter); an
+    entry for a part this config did not build (Beam with only dense MLPs) applies to nothing, as
+    in transformers, and is not refused for a style it would never run (a warning names it).
     """
-    blocks = set()
-    for key, style in plan.items():
-        if not key.startswith(layers) or type(style) in _SEQUENCE_READY:
-            continue
-        if "." in key[len(layers) :] or getattr(style, "param_styles", None):  # inside, or the block's own
-            blocks.add(_block(key, layers))
-    return blocks
-
-
-def _is_norm(module: nn.Module) -> bool:
-    return "norm" in type(module).__name__.lower()
-
-
-def _unplanned_blocks(plan: dict[str, ParallelStyle], base: nn.Module, prefix: str) -> list[str]:
-    """Layer children with parameters that no plan entry reaches (AFMoE's attention), norms aside.
-
-    Under SP their plain weights would meet the ``Shard(1)`` residual stream, so they run whole.
-    """
-    found = []
-    for index, layer in enumerate(base.layers):
-        for name, child in layer.named_children():
-            fqn = f"{prefix}layers.{index}.{name}"
-            inner = [fqn, *(f"{fqn}.{sub}" for sub, _ in child.named_modules() if sub)]
-            planned = any(fnmatchcase(f, key) for f in inner for key in plan)
-            if not planned and not _is_norm(child) and any(True for _ in child.parameters()):
-                found.append(fqn)
-    return found
-
-
-def _sequence_parallel(
-    model: nn.Module, plan: dict[str, ParallelStyle], head: str | None
-) -> dict[str, ParallelStyle]:
-    """Re-layout a translated Llama-style plan for sequence parallel (``Shard(1)`` residual stream)."""
-    decoder = find_decoder(model)
-    if decoder is None or len(decoder[1].layers) == 0:
-        raise ValueError(
-            f"sequence_parallel with the Hugging Face TP plan of {type(model).__name__} needs a Llama-style decoder "
-            "(`embed_tokens` + `layers`); set sequence_parallel=False or pass tp_plan="
+    names = [fqn for fqn, _ in model.named_modules() if fqn] + [name for name, _ in model.named_parameters()]
+    kept = {key: style for key, style in raw.items() if any(fnmatchcase(name, key) for name in names)}
+    for key in sorted(set(raw) - set(kept)):
+        warnings.warn(
+            f"Hugging Face TP plan pattern {key!r} matches no module or parameter of {type(model).__name__}; "
+            "skipping it",
+            UserWarning,
+            stacklevel=4,
         )
-    base_fqn, base = decoder
-    prefix = f"{base_fqn}." if base_fqn else ""
-    layers = f"{prefix}layers.*."
-    whole = _whole_sequence_blocks(plan, layers)
-    out: dict[str, ParallelStyle] = {}
-    for key, style in plan.items():
-        if key == head:
-            out[key] = loss_parallel_head(sequence_parallel=True)
-        elif isinstance(style, VocabParallelEmbedding) and key == f"{prefix}embed_tokens":
-            out[key] = VocabParallelEmbedding(output_layouts=Shard(1), use_local_output=False)
-        elif key.startswith(layers) and _block(key, layers) in whole:
-            out[key] = style  # the block runs on the whole sequence, as without SP
-        elif key.startswith(layers) and type(style) is ColwiseParallel:
-            # Sharded or gathered output alike: a Shard(1) DTensor input (the residual stream) is
-            # all-gathered by the style itself, a plain one is whole already.
-            out[key] = style
-        elif key.startswith(layers) and type(style) is RowwiseParallel:
-            out[key] = RowwiseParallel(
-                input_layouts=style.input_layouts[0], output_layouts=Shard(1), use_local_output=False
-            )
-        elif key.startswith(layers) and isinstance(style, ReplicatedWithGradAllReduce):
-            out[key] = style
-        else:
-            raise ValueError(
-                f"cannot combine sequence_parallel with the Hugging Face TP plan entry {key!r} "
-                f"({type(style).__name__}) of {_family(model)}; set sequence_parallel=False or pass tp_plan="
-            )
-    for block in sorted(whole):
-        # A block with its own style (attention sinks, local_params) keeps it inside the wrapper.
-        # One entry per layer: fnmatch's `*` also crosses dots (`layers.*.mlp` would match AXK2's
-        # `layers.0.input_layernorm.mlp`).
-        for index, layer in enumerate(base.layers):
-            if isinstance(getattr(layer, block, None), nn.Module):
-                out[f"{prefix}layers.{index}.{block}"] = SequenceParallelBlock(plan.get(f"{layers}{block}"))
-        out.pop(f"{layers}{block}", None)
-    for fqn in _unplanned_blocks(out, base, prefix):
-        out[fqn] = SequenceParallelBlock()
-    norms = _add_norms(out, base_fqn, base, sequence_parallel=True)
-    final = [f"{prefix}{name}" for name, child in base.named_children() if _is_norm(child)][-1:]
-    if head not in out and final and isinstance(norms.get(final[0]), SequenceParallelNorm):
-        norms[final[0]] = SequenceParallelAllGather()  # the head is not in the plan: the full sequence
-    return norms
-
-
-def _add_norms(
-    plan: dict[str, ParallelStyle], base_fqn: str, base: nn.Module, *, sequence_parallel: bool
-) -> dict[str, ParallelStyle]:
-    """Give the decoder's norms (direct children of any layer or of the decoder) replicated weights.
-
-    Sequence-parallel norms under SP, else ``ReplicateParallel``, so that every parameter is a DTensor.
-    Found by class name, whatever the attribute is called (Phi's ``final_layernorm``).
-    """
-    prefix = f"{base_fqn}." if base_fqn else ""
-    norms = {
-        f"{prefix}layers.*.{name}": f"{prefix}layers.{index}.{name}"
-        for index, layer in enumerate(base.layers)
-        for name, child in layer.named_children()
-        if _is_norm(child)
-    }
-    norms.update(
-        {f"{prefix}{name}": f"{prefix}{name}" for name, child in base.named_children() if _is_norm(child)}
-    )
-    out = dict(plan)
-    for pattern, fqn in norms.items():
-        if not any(fnmatchcase(fqn, key) for key in out):
-            out[pattern] = SequenceParallelNorm() if sequence_parallel else ReplicateParallel()
-    return out
+    return kept
 
 
 def hf_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle] | None:
@@ -299,14 +195,15 @@ def hf_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
     parameters (fused experts' ``gate_up_proj``, attention sinks) go to their owner's style
     (``moe_tp_experts`` shards every expert, ``local_params``), and a gathered ``lm_head`` becomes a
     loss-parallel head (vocab-sharded ``DTensor`` logits). A style plait does not implement is refused,
-    naming the family, the entry, the style and a way out. For a Llama-style decoder the norms get replicated DTensor weights, and with
+    naming the family, the entry, the style and a way out; entries naming nothing in this instance are
+    skipped. The norms of the plan's block stacks get replicated DTensor weights, and with
     ``sequence_parallel`` the plan is re-laid-out for a ``Shard(1)`` residual stream.
 
     Raises:
         ValueError: a style plait cannot translate, or an entry that cannot be made sequence parallel
             (both before any collective).
     """
-    raw = _collect(model)
+    raw = _present(model, _collect(model))
     if not raw:
         return None
     head = module_fqn(model, model_embeddings(model, "get_output_embeddings"))
@@ -317,13 +214,9 @@ def hf_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
     if not plan:
         return None
     if sequence_parallel:
-        return _sequence_parallel(model, plan, head)
-    decoder = find_decoder(model)
-    return (
-        plan
-        if decoder is None or len(decoder[1].layers) == 0
-        else _add_norms(plan, *decoder, sequence_parallel=False)
-    )
+        return sequence_parallel_plan(model, plan, head, embed)
+    containers = layer_containers(model, plan)
+    return replicated_norms(model, plan, containers, sequence_parallel=False) if containers else plan
 
 
 register_tp_plan("hf", hf_tp_plan)

@@ -18,6 +18,7 @@ from torch.distributed.tensor.placement_types import Placement
 from plait.tp.embedding import check_1d
 
 __all__ = [
+    "ReplicateOwnParams",
     "ReplicateParallel",
     "ReplicatedWithGradAllReduce",
     "ShardedRegion",
@@ -133,6 +134,19 @@ def replicate_own_params(name: str, module: nn.Module, device_mesh: DeviceMesh) 
         module.register_parameter(p_name, replicated)
 
 
+class ReplicateOwnParams(ParallelStyle):
+    """Make a module's own parameters ``Replicate()`` DTensors (complete gradients), nothing else.
+
+    For a module whose children carry their own styles but which also holds a parameter of its own
+    that meets DTensor activations (a decoder's learned initial state under sequence parallel).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        check_1d(self, device_mesh)
+        replicate_own_params("", module, device_mesh)
+        return module
+
+
 class ReplicateParallel(ParallelStyle):
     """Keep a module whole on every TP rank, its parameters as ``Replicate()`` DTensors.
 
@@ -146,12 +160,20 @@ class ReplicateParallel(ParallelStyle):
     call: an input computed from sharded projection outputs gives partial gradients, a whole one
     complete gradients.
     Partial gradients are summed over the TP group by a gradient hook, exactly once. The output is a
-    plain tensor unless ``use_local_output=False``.
+    plain tensor unless ``use_local_output=False``; ``output_layouts`` then redistributes it (a whole
+    embedding handing a sequence-parallel model its ``Shard(1)`` slice).
     """
 
-    def __init__(self, *, input_layouts: Placement | None = None, use_local_output: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ) -> None:
         super().__init__()
         self.input_layouts = input_layouts or Replicate()
+        self.output_layouts = output_layouts
         self.use_local_output = use_local_output
         self.region: ShardedRegion | None = None
 
@@ -222,7 +244,10 @@ def _replicated_forward(
     layout = style.input_layouts
     if isinstance(layout, Shard):
         layout = Shard(layout.dim % first.ndim)
-    return DTensor.from_local(out, mesh, [layout], run_check=False)
+    out = DTensor.from_local(out, mesh, [layout], run_check=False)
+    # e.g. a whole embedding starting a sequence-parallel stream: this rank keeps its Shard(1) slice,
+    # and backward all-gathers the slices' gradients, so the replicated weight's gradient is complete.
+    return out if style.output_layouts is None else out.redistribute(mesh, [style.output_layouts])
 
 
 class ReplicatedWithGradAllReduce(ReplicateParallel):

@@ -131,10 +131,11 @@ class SequenceParallelBlock(ParallelStyle):
     """Run a whole block (attention or MLP) on the full sequence inside a sequence-parallel model.
 
     For blocks whose inner styles cannot take a sequence-sharded input (fused experts, latent
-    attention, a block that is itself ``local_params``, given as ``inner``): the ``Shard(1)`` hidden states (first positional argument, else ``hidden_states``)
-    are all-gathered into a plain tensor, the block runs as under TP without SP (its output whole
-    on every rank), and the output (or the first element of a tuple output) is handed back as a
-    ``Shard(1)`` DTensor: this rank's sequence slice, all-gathered again in backward.
+    attention, a block that is itself ``local_params``, given as ``inner``): the ``Shard(1)`` hidden
+    states (first positional argument, else ``hidden_states``) are all-gathered into a plain tensor,
+    the block runs as under TP without SP (its output whole on every rank), and each output with the
+    input's (batch, sequence) dims is handed back as a ``Shard(1)`` DTensor: this rank's sequence
+    slice, all-gathered again in backward.
     """
 
     def __init__(self, inner: ParallelStyle | None = None) -> None:
@@ -157,7 +158,7 @@ class SequenceParallelBlock(ParallelStyle):
         if self.inner is not None:  # e.g. attention sinks: the block's own style, run inside the hooks
             module = self.inner._apply(module, device_mesh)
         module.register_forward_pre_hook(partial(_block_pre_hook, device_mesh), with_kwargs=True)
-        module.register_forward_hook(partial(_block_post_hook, device_mesh))
+        module.register_forward_hook(partial(_block_post_hook, device_mesh), with_kwargs=True)
         return module
 
 
@@ -172,18 +173,38 @@ def _whole(value: Any, mesh: DeviceMesh) -> Any:
 def _block_pre_hook(
     mesh: DeviceMesh, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    # Every other DTensor argument (rotary tables computed from the sharded stream) is made whole too:
+    # the block runs on plain full-sequence tensors, as without SP.
+    rest = {k: _to_full(v) for k, v in kwargs.items()}
     if args:
-        return (_whole(args[0], mesh), *args[1:]), kwargs
+        return (_whole(args[0], mesh), *_to_full(args[1:])), rest
     if "hidden_states" in kwargs:
-        return args, {**kwargs, "hidden_states": _whole(kwargs["hidden_states"], mesh)}
+        return args, {**rest, "hidden_states": _whole(kwargs["hidden_states"], mesh)}
     raise ValueError(
         f"{type(module).__name__} was called with neither a positional input nor `hidden_states`; "
         "SequenceParallelBlock cannot find the hidden states to gather"
     )
 
 
-def _block_post_hook(mesh: DeviceMesh, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-    def scatter(value: torch.Tensor) -> DTensor:
+def _block_post_hook(
+    mesh: DeviceMesh, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+) -> Any:
+    """Hand back this rank's ``Shard(1)`` slice of every output laid out like the gathered input.
+
+    A tensor output, or each element of a tuple output whose leading (batch, sequence) dims are the
+    input's: a hyper-connection returns its mixing weights beside the hidden states, an attention
+    block its attention weights (left whole).
+    """
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    lead = tuple(hidden.shape[:2]) if isinstance(hidden, torch.Tensor) else None
+
+    def scatter(value: Any) -> Any:
+        if (
+            not isinstance(value, torch.Tensor)
+            or isinstance(value, DTensor)
+            or tuple(value.shape[:2]) != lead
+        ):
+            return value
         return DTensor.from_local(value, mesh, (Replicate(),), run_check=False).redistribute(
             mesh, (Shard(1),)
         )
@@ -191,5 +212,5 @@ def _block_post_hook(mesh: DeviceMesh, module: nn.Module, args: tuple[Any, ...],
     if isinstance(output, torch.Tensor):
         return scatter(output)
     if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-        return (scatter(output[0]), *output[1:])
+        return tuple(scatter(value) for value in output)
     raise TypeError(f"SequenceParallelBlock expects {type(module).__name__} to return a tensor or a tuple")

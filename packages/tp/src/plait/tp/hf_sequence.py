@@ -1,0 +1,248 @@
+"""Lay a translated Hugging Face TP plan out for sequence parallel, and give decoder norms replicated weights.
+
+Works on the plan's layer containers (``model.layers``, GPT-J's ``transformer.h``, HRM's two
+``*_module.layers`` stacks), found from the plan's own keys, so no family naming is assumed.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+from torch import nn
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from plait.tp.discovery import family_name, find_decoder
+from plait.tp.embedding import VocabParallelEmbedding
+from plait.tp.replicate import ReplicatedWithGradAllReduce, ReplicateOwnParams, ReplicateParallel
+from plait.tp.sequence import SequenceParallelAllGather, SequenceParallelBlock, SequenceParallelNorm
+from plait.tp.styles import loss_parallel_head
+
+__all__ = ["layer_containers", "replicated_norms", "sequence_parallel_plan"]
+
+_SEQUENCE_READY = (ColwiseParallel, RowwiseParallel, ReplicatedWithGradAllReduce)
+
+
+def layer_containers(model: nn.Module, plan: dict[str, ParallelStyle]) -> list[str]:
+    """FQNs of the ``nn.ModuleList`` block stacks that the plan's keys index (``h.*.attn``, ``layers.3.mlp``).
+
+    Falls back to the Llama-style decoder's ``layers`` when no key indexes a stack.
+    """
+    found: list[str] = []
+    for key in plan:
+        parts = key.split(".")
+        for i, part in enumerate(parts[1:], start=1):
+            if part != "*" and not part.isdigit():
+                continue
+            fqn = ".".join(parts[:i])
+            try:
+                stack = model.get_submodule(fqn)
+            except AttributeError:
+                continue
+            if isinstance(stack, nn.ModuleList) and len(stack) and fqn not in found:
+                found.append(fqn)
+            break
+    if not found and (decoder := find_decoder(model)) is not None and len(decoder[1].layers):
+        found.append(f"{decoder[0]}.layers" if decoder[0] else "layers")
+    return found
+
+
+def _parent(fqn: str) -> str:
+    return fqn.rpartition(".")[0]
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower()
+
+
+def _block(key: str, layers: str) -> str:
+    return key[len(layers) :].split(".", 1)[0]
+
+
+def _whole_sequence_blocks(plan: dict[str, ParallelStyle], layers: str) -> set[str]:
+    """Layer children (``mlp``, ``self_attn``) that cannot take a sequence-sharded input.
+
+    Such a block (fused experts, latent attention, local parameters, or one without a row-wise
+    projection to hand back this rank's ``Shard(1)`` slice) runs on the gathered sequence.
+    """
+    blocks, styles = set(), {}
+    for key, style in plan.items():
+        if not key.startswith(layers):
+            continue
+        styles.setdefault(_block(key, layers), set()).add(type(style))
+        if type(style) in _SEQUENCE_READY:
+            continue
+        if "." in key[len(layers) :] or getattr(style, "param_styles", None):  # inside, or the block's own
+            blocks.add(_block(key, layers))
+    # Column-wise projections without a row-wise one (Qwen3-Next's linear attention, all
+    # `colwise_gather_output`) return a whole plain tensor, not this rank's Shard(1) slice.
+    blocks.update(
+        b for b, types in styles.items() if ColwiseParallel in types and RowwiseParallel not in types
+    )
+    return blocks
+
+
+def _unplanned_blocks(plan: dict[str, ParallelStyle], stack: nn.Module, container: str) -> list[str]:
+    """Layer children with parameters that no plan entry reaches (AFMoE's attention, Mamba mixers), norms aside.
+
+    Under SP their plain weights would meet the ``Shard(1)`` residual stream, so they run whole.
+    """
+    found = []
+    for index, layer in enumerate(stack):
+        for name, child in layer.named_children():
+            fqn = f"{container}.{index}.{name}"
+            inner = [fqn, *(f"{fqn}.{sub}" for sub, _ in child.named_modules() if sub)]
+            planned = any(fnmatchcase(f, key) for f in inner for key in plan)
+            if not planned and not _is_norm(child) and any(True for _ in child.parameters()):
+                found.append(fqn)
+    return found
+
+
+def _relayout(
+    model: nn.Module, key: str, style: ParallelStyle, layers: list[str], whole: set[str]
+) -> ParallelStyle:
+    """One entry of the plan under SP, or a refusal naming the family, the entry and the way out."""
+    inside = next((lay for lay in layers if key.startswith(lay)), None)
+    if inside is not None and f"{inside}{_block(key, inside)}" in whole:
+        return style  # the block runs on the whole sequence, as without SP
+    if inside is not None and type(style) is ColwiseParallel:
+        # Sharded or gathered output alike: a Shard(1) DTensor input (the residual stream) is
+        # all-gathered by the style itself, a plain one is whole already.
+        return style
+    if inside is not None and type(style) is RowwiseParallel:
+        return RowwiseParallel(
+            input_layouts=style.input_layouts[0], output_layouts=Shard(1), use_local_output=False
+        )
+    if inside is not None and isinstance(style, ReplicatedWithGradAllReduce):
+        return style
+    raise ValueError(
+        f"cannot combine sequence_parallel with the Hugging Face TP plan entry {key!r} "
+        f"({type(style).__name__}) of {family_name(model)}; set sequence_parallel=False or pass tp_plan="
+    )
+
+
+def _embedding(style: ParallelStyle) -> ParallelStyle | None:
+    """The input embedding's style with a ``Shard(1)`` output (the start of the residual stream)."""
+    if isinstance(style, VocabParallelEmbedding):
+        return VocabParallelEmbedding(output_layouts=Shard(1), use_local_output=False)
+    if type(style) is ReplicateParallel:  # a whole embedding on every rank: keep this rank's slice
+        return ReplicateParallel(output_layouts=Shard(1), use_local_output=False)
+    return None
+
+
+def sequence_parallel_plan(
+    model: nn.Module, plan: dict[str, ParallelStyle], head: str | None, embed: str | None
+) -> dict[str, ParallelStyle]:
+    """Re-lay-out a translated plan for sequence parallel (a ``Shard(1)`` residual stream between blocks).
+
+    Raises:
+        ValueError: the model has no block stack, or an entry cannot run on a sequence-sharded stream.
+    """
+    containers = layer_containers(model, plan)
+    if not containers:
+        raise ValueError(
+            f"sequence_parallel with the Hugging Face TP plan of {family_name(model)} needs the plan to "
+            "index a stack of blocks (an nn.ModuleList such as `layers.*`); set sequence_parallel=False or pass tp_plan="
+        )
+    layers = [f"{c}.*." for c in containers]
+    whole = {f"{lay}{b}" for lay in layers for b in _whole_sequence_blocks(plan, lay)}
+    out: dict[str, ParallelStyle] = {}
+    for key, style in plan.items():
+        if key == head:
+            out[key] = loss_parallel_head(sequence_parallel=True)
+        elif key == embed and (start := _embedding(style)) is not None:
+            out[key] = start
+        else:
+            out[key] = _relayout(model, key, style, layers, whole)
+    for container in containers:
+        _wrap_blocks(out, plan, model.get_submodule(container), container, whole)
+    norms = replicated_norms(model, out, containers, sequence_parallel=True)
+    final = _final_norm(model, containers)
+    if head not in out and final and isinstance(norms.get(final), SequenceParallelNorm):
+        norms[final] = SequenceParallelAllGather()  # the head is not in the plan: the full sequence
+    return {**norms, **_outer_modules(model, norms, containers, head)}
+
+
+def _wrap_blocks(
+    out: dict[str, ParallelStyle],
+    plan: dict[str, ParallelStyle],
+    stack: nn.Module,
+    container: str,
+    whole: set[str],
+) -> None:
+    """Whole-sequence blocks, one entry per layer, in place of their pattern entries."""
+    pattern = f"{container}.*."
+    for block in sorted(b[len(pattern) :] for b in whole if b.startswith(pattern)):
+        # A block with its own style (attention sinks, local_params) keeps it inside the wrapper.
+        # One entry per layer: fnmatch's `*` also crosses dots (`layers.*.mlp` would match AXK2's
+        # `layers.0.input_layernorm.mlp`).
+        for index, layer in enumerate(stack):
+            if isinstance(getattr(layer, block, None), nn.Module):
+                out[f"{container}.{index}.{block}"] = SequenceParallelBlock(plan.get(f"{pattern}{block}"))
+        out.pop(f"{pattern}{block}", None)
+    for fqn in _unplanned_blocks(out, stack, container):
+        out[fqn] = SequenceParallelBlock()
+
+
+def _covered(fqn: str, plan: dict[str, ParallelStyle]) -> bool:
+    """Whether an entry of ``plan`` names ``fqn`` or one of its ancestors."""
+    parts = fqn.split(".")
+    return any(fnmatchcase(".".join(parts[:i]), key) for i in range(1, len(parts) + 1) for key in plan)
+
+
+def _outer_modules(
+    model: nn.Module, plan: dict[str, ParallelStyle], containers: list[str], head: str | None
+) -> dict[str, ParallelStyle]:
+    """Styles for modules outside the block stacks whose own parameters no entry reaches.
+
+    Gemma3n's per-layer projection and HY-V4's hyper-connection head run on the ``Shard(1)``
+    stream: their parameters become replicated DTensors and they run through DTensor (complete
+    gradients by DTensor's own rules). A module holding planned ones (HRM's initial state on the
+    decoder) only has its own parameters replicated. The head (whole input after the final norm's
+    gather) stays as it is.
+    """
+    stacks = tuple(f"{c}." for c in containers)
+    out: dict[str, ParallelStyle] = {}
+    for fqn, module in model.named_modules():
+        if fqn in (head, *containers) or fqn.startswith(stacks) or _covered(fqn, plan):
+            continue
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue
+        inner = any(True for child in module.children() for _ in child.parameters())
+        out[fqn] = ReplicateOwnParams() if inner else ReplicateParallel(use_local_output=False)
+    return out
+
+
+def _final_norm(model: nn.Module, containers: list[str]) -> str | None:
+    """The last norm beside the last block stack (``model.norm``, GPT-J's ``transformer.ln_f``)."""
+    parent = _parent(containers[-1])
+    owner = model.get_submodule(parent) if parent else model
+    names = [name for name, child in owner.named_children() if _is_norm(child)]
+    return f"{parent}.{names[-1]}" if parent and names else (names[-1] if names else None)
+
+
+def replicated_norms(
+    model: nn.Module, plan: dict[str, ParallelStyle], containers: list[str], *, sequence_parallel: bool
+) -> dict[str, ParallelStyle]:
+    """Give the norms of each block and beside each block stack replicated weights, where the plan has none.
+
+    Sequence-parallel norms under SP, else ``ReplicateParallel``, so that every parameter is a DTensor.
+    Found by class name, whatever the attribute is called (Phi's ``final_layernorm``, GPT-J's ``ln_1``).
+    """
+    norms: dict[str, str] = {}
+    for container in containers:
+        for index, layer in enumerate(model.get_submodule(container)):
+            for name, child in layer.named_children():
+                if _is_norm(child):
+                    norms.setdefault(f"{container}.*.{name}", f"{container}.{index}.{name}")
+        parent = _parent(container)
+        owner = model.get_submodule(parent) if parent else model
+        prefix = f"{parent}." if parent else ""
+        norms.update(
+            {f"{prefix}{n}": f"{prefix}{n}" for n, child in owner.named_children() if _is_norm(child)}
+        )
+    out = dict(plan)
+    for pattern, fqn in norms.items():
+        if not any(fnmatchcase(fqn, key) for key in out):
+            out[pattern] = SequenceParallelNorm() if sequence_parallel else ReplicateParallel()
+    return out
