@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from plait.testing import FP32, Parity, paired, run_parity, tiny_hf_model, token_batches
-from plait.tp import apply_tp, find_decoder, resolve_tp_plan, validate_tp_mesh
+from plait.tp import apply_tp, layer_containers, resolve_tp_plan, validate_tp_mesh
 
 VOCAB = 96
 SIZES: dict[str, Any] = {
@@ -38,12 +38,14 @@ def build(model_type: str, overrides: dict[str, Any]) -> nn.Module:
 
 def _parallelize(model: nn.Module, mesh: DeviceMesh, sp: bool) -> nn.Module:
     validate_tp_mesh(model, mesh["tp"])
-    apply_tp(model, mesh["tp"], resolve_tp_plan(model, sequence_parallel=sp, tp_size=mesh["tp"].size()))
+    plan = resolve_tp_plan(model, sequence_parallel=sp, tp_size=mesh["tp"].size())
+    apply_tp(model, mesh["tp"], plan)
     if mesh["dp_shard"].size() > 1:
-        decoder = find_decoder(model)
-        assert decoder is not None
-        for layer in decoder[1].layers:
-            fully_shard(layer, mesh=mesh["dp_shard"])
+        stacks = layer_containers(model, plan)
+        assert stacks, sorted(plan)
+        for stack in stacks:
+            for layer in model.get_submodule(stack):
+                fully_shard(layer, mesh=mesh["dp_shard"])
         fully_shard(model, mesh=mesh["dp_shard"])
     return model
 

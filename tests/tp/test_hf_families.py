@@ -4,7 +4,8 @@ The fast CI subset of ``tools/hf_sweep``: Gemma3 (scaled embedding, q/k norms, s
 with a sequence longer than the window), Gemma2 (scaled embedding), Phi3 (fused, gathered ``qkv_proj``),
 Qwen3 (q/k norms, tied embeddings), Llama, HunYuan dense (a plan naming only the embedding),
 Mixtral (fused 3-D experts sharded by ``packed_colwise`` / ``rowwise``; under SP the MoE block runs on the
-gathered sequence). Per-parameter gradients at step 0 and parameters after 2
+gathered sequence), GPT-NeoX (a block stack not named ``layers`` under ``embed_tokens``), ERNIE 4.5 with a
+plan whose MLP gathers its column-wise outputs (no row-wise projection: under SP it runs whole). Per-parameter gradients at step 0 and parameters after 2
 SGD steps within 1e-5 of the reference (relative to its largest magnitude per parameter).
 """
 
@@ -17,6 +18,17 @@ import pytest
 from plait.testing import run_on_ranks
 from tests.tp._hf_families import Family, family_parity
 
+# Column-wise projections gathering their outputs, as Qwen3-Next's linear attention: under SP the
+# block returns a whole tensor and must run on the gathered sequence.
+GATHERED_MLP = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise_gather_output",
+    "layers.*.mlp.up_proj": "colwise_gather_output",
+    "layers.*.mlp.down_proj": "colwise_gather_output",
+}
 SLIDING = {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}  # window 4 < seq 8
 FAMILIES: list[Family] = [
     ("gemma3_text", SLIDING),
@@ -26,6 +38,8 @@ FAMILIES: list[Family] = [
     ("llama", {}),
     ("hunyuan_v1_dense", {}),  # the plan shards only the embedding: under SP its blocks run whole
     ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),  # fused 3-D experts, packed_colwise
+    ("gpt_neox", {"rotary_pct": 1.0}),  # `gpt_neox.embed_in` + `gpt_neox.layers`, parallel residual
+    ("ernie4_5", {"base_model_tp_plan": GATHERED_MLP}),  # an MLP without a row-wise projection
 ]
 TP4 = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8}
 

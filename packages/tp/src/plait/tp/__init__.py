@@ -12,6 +12,7 @@ from plait.tp.experts import (
     param_placement,
 )
 from plait.tp.hf import hf_tp_plan, is_remote_code_model
+from plait.tp.hf_sequence import layer_containers
 from plait.tp.llama import llama_tp_plan
 from plait.tp.regions import plan_regions
 from plait.tp.registry import register_model_tp_plan, register_tp_plan
@@ -53,6 +54,7 @@ __all__ = [
     "find_decoder",
     "hf_tp_plan",
     "is_remote_code_model",
+    "layer_containers",
     "llama_tp_plan",
     "loss_parallel_head",
     "model_embeddings",

@@ -1,0 +1,120 @@
+"""hf_tp_plan finds the plan's block stacks by their keys and lays each part out for the Shard(1) stream.
+
+Translation only (no ranks): the parity of these layouts is in ``test_hf_families.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import RowwiseParallel
+
+from plait.testing import tiny_hf_model
+from plait.tp import (
+    AllReduceParallel,
+    ReplicateOwnParams,
+    ReplicateParallel,
+    SequenceParallelBlock,
+    SequenceParallelNorm,
+    VocabParallelEmbedding,
+    hf_tp_plan,
+    layer_containers,
+)
+from tests.tp._models import hf_config
+
+SIZES = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4}
+
+
+def test_a_stack_named_otherwise_is_found_from_the_plan_keys() -> None:
+    """GPT-NeoX: ``gpt_neox.embed_in`` + ``gpt_neox.layers``, no ``embed_tokens``."""
+    model = tiny_hf_model("gpt_neox", **SIZES)
+    plan = hf_tp_plan(model, True)
+    assert plan is not None and layer_containers(model, plan) == ["gpt_neox.layers"]
+    embed = plan["gpt_neox.embed_in"]
+    assert type(embed) is VocabParallelEmbedding and embed.output_layouts == Shard(1)
+    dense = plan["gpt_neox.layers.*.attention.dense"]
+    assert type(dense) is RowwiseParallel and dense.output_layouts == (Shard(1),)
+    for norm in ("gpt_neox.layers.*.input_layernorm", "gpt_neox.layers.*.post_attention_layernorm"):
+        assert type(plan[norm]) is SequenceParallelNorm
+    assert type(hf_tp_plan(model, False)["gpt_neox.final_layer_norm"]) is ReplicateParallel
+
+
+def test_two_stacks_and_a_decoder_parameter() -> None:
+    """HRM: two ``*_module.layers`` stacks, each with its final norm; the decoder's own initial state."""
+    model = tiny_hf_model("hrm_text", **SIZES)
+    plan = hf_tp_plan(model, True)
+    assert plan is not None
+    assert layer_containers(model, plan) == ["model.L_module.layers", "model.H_module.layers"]
+    for stack in ("L_module", "H_module"):
+        assert type(plan[f"model.{stack}.layers.*.input_layernorm"]) is SequenceParallelNorm
+        assert type(plan[f"model.{stack}.final_norm"]) is SequenceParallelNorm
+    assert type(plan["model"]) is ReplicateOwnParams  # z_L_init meets the Shard(1) stream
+
+
+def test_a_block_without_a_rowwise_projection_runs_whole() -> None:
+    """Gathered column-wise outputs (Qwen3-Next's linear attention) are whole, not this rank's slice."""
+    gathered = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise_gather_output",
+        "layers.*.mlp.up_proj": "colwise_gather_output",
+    }
+    model = transformers.LlamaForCausalLM(hf_config("llama", base_model_tp_plan=gathered))
+    plan = hf_tp_plan(model, True)
+    assert plan is not None
+    assert [type(plan[f"model.layers.{i}.mlp"]) for i in (0, 1)] == [SequenceParallelBlock] * 2
+    assert "model.layers.0.self_attn" not in plan  # has its row-wise o_proj: takes the Shard(1) input
+
+
+def test_an_unplanned_module_outside_the_stacks_gets_replicated_dtensor_weights() -> None:
+    """Gemma3n's per-layer projection runs on the Shard(1) stream: replicated weights, DTensor output."""
+    model = tiny_hf_model("gemma3n_text", **SIZES, num_key_value_heads=2, head_dim=16, num_kv_shared_layers=1,
+                          vocab_size_per_layer_input=96, hidden_size_per_layer_input=8)  # fmt: skip
+    plan = hf_tp_plan(model, True)
+    assert plan is not None
+    projection = plan["model.per_layer_model_projection"]
+    assert type(projection) is ReplicateParallel and not projection.use_local_output
+    assert "lm_head" in plan and "model.per_layer_model_projection" not in (hf_tp_plan(model, False) or {})
+
+
+def test_a_replicated_embedding_starts_the_sequence_parallel_stream() -> None:
+    config = hf_config(
+        "llama", base_model_tp_plan={"embed_tokens": "replicate", "layers.*.mlp.down_proj": "rowwise"}
+    )
+    plan = hf_tp_plan(transformers.LlamaForCausalLM(config), True)
+    assert plan is not None
+    embed = plan["model.embed_tokens"]
+    assert (
+        type(embed) is ReplicateParallel and embed.output_layouts == Shard(1) and not embed.use_local_output
+    )
+
+
+def test_entries_for_parts_the_config_did_not_build_are_skipped_with_a_warning() -> None:
+    """Beam with dense MLPs only: its experts entries apply to nothing, and are not refused."""
+    plan = {
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+        "layers.*.mlp.experts": "moe_tp_experts",
+    }
+    model = transformers.LlamaForCausalLM(hf_config("llama", base_model_tp_plan=plan))
+    with pytest.warns(
+        UserWarning, match=r"'model\.layers\.\*\.mlp\.experts\.gate_up_proj' matches no module"
+    ):
+        translated = hf_tp_plan(model, False)
+    assert translated is not None and not any("experts" in key for key in translated)
+
+
+def test_an_all_reduce_owner_shards_its_own_weights() -> None:
+    """Inkling's shared experts: 3-D ``gate_proj`` / ``up_proj`` column-wise, ``down_proj`` row-wise."""
+    model = tiny_hf_model("inkling_text", **SIZES, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                          num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1)  # fmt: skip
+    plan = hf_tp_plan(model, False)
+    assert plan is not None
+    shared = plan["model.layers.*.mlp.shared_experts"]
+    assert type(shared) is AllReduceParallel
+    assert shared.param_styles == {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
