@@ -56,6 +56,9 @@ def param_placement(style: str, name: str, ndim: int) -> Placement:
 class _ShardOwnParams(ParallelStyle):
     """Shard the parameters of ``param_styles`` and run the module's forward on their local shards."""
 
+    all_optional = False
+    """Whether a matched module may hold none of the named parameters (then it runs as it is)."""
+
     def __init__(self, param_styles: Mapping[str, str]) -> None:
         super().__init__()
         self.param_styles = dict(param_styles)
@@ -64,16 +67,19 @@ class _ShardOwnParams(ParallelStyle):
         """Refuse parameters the plan leaves whole but that the sharded forward would mix with shards."""
         params = dict(module.named_parameters(recurse=False))
         missing = [name for name in self.param_styles if name not in params]
-        if missing:
+        if missing and not (self.all_optional and len(missing) == len(self.param_styles)):
             raise ValueError(
                 f"the tp_plan shards {missing} of {fqn!r}, which has parameters {sorted(params)}"
             )
         for name in self.param_styles:
-            param_placement(self.param_styles[name], name, params[name].ndim)
+            if name in params:
+                param_placement(self.param_styles[name], name, params[name].ndim)
 
     def _shard(self, module: nn.Module, mesh: DeviceMesh) -> None:
         for name, style in self.param_styles.items():
-            param = module._parameters[name]
+            param = module._parameters.get(name)
+            if param is None:  # a layer without them (validated: only when all_optional)
+                continue
             placement = param_placement(style, name, param.ndim)
             sharded = distribute_tensor(param.data, mesh, [placement], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
@@ -112,8 +118,12 @@ class LocalParamsParallel(_ShardOwnParams):
     """A module whose own parameters the plan shards (e.g. per-head attention sinks, ``colwise``).
 
     Its forward runs on the local shards; for an attention module whose projections are sharded by
-    head, a per-head parameter sharded column-wise lines up with the local heads.
+    head, a per-head parameter sharded column-wise lines up with the local heads. A matched module
+    holding none of the parameters runs as it is (MiMo-V2-Flash has sinks on some layers only); one
+    holding some but not all is refused.
     """
+
+    all_optional = True
 
 
 class ExpertsTensorParallel(_ShardOwnParams):
