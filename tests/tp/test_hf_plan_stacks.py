@@ -118,3 +118,13 @@ def test_an_all_reduce_owner_shards_its_own_weights() -> None:
     shared = plan["model.layers.*.mlp.shared_experts"]
     assert type(shared) is AllReduceParallel
     assert shared.param_styles == {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
+
+
+def test_a_norm_pattern_that_would_catch_a_nested_norm_becomes_one_entry_per_layer() -> None:
+    """Nemotron-H: ``layers.*.norm`` would also match the Mamba mixer's own gated ``mixer.norm``."""
+    model = tiny_hf_model("nemotron_h", **SIZES, num_key_value_heads=2, head_dim=16, mamba_num_heads=8,
+                          mamba_head_dim=16, ssm_state_size=16, n_groups=1, layers_block_type=["mamba", "attention"])  # fmt: skip
+    for sp, norm in ((True, SequenceParallelNorm), (False, ReplicateParallel)):
+        plan = hf_tp_plan(model, sp)
+        assert plan is not None and "model.layers.*.norm" not in plan
+        assert [type(plan.get(f"model.layers.{i}.norm")) for i in (0, 1)] == [norm, norm]

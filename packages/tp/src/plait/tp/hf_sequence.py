@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from plait.tp.discovery import family_name, find_decoder
+from plait.tp.discovery import family_name, find_decoder, model_embeddings, module_fqn
 from plait.tp.embedding import VocabParallelEmbedding
 from plait.tp.replicate import ReplicatedWithGradAllReduce, ReplicateOwnParams, ReplicateParallel
 from plait.tp.sequence import SequenceParallelAllGather, SequenceParallelBlock, SequenceParallelNorm
@@ -26,7 +26,9 @@ _SEQUENCE_READY = (ColwiseParallel, RowwiseParallel, ReplicatedWithGradAllReduce
 def layer_containers(model: nn.Module, plan: dict[str, ParallelStyle]) -> list[str]:
     """FQNs of the ``nn.ModuleList`` block stacks that the plan's keys index (``h.*.attn``, ``layers.3.mlp``).
 
-    Falls back to the Llama-style decoder's ``layers`` when no key indexes a stack.
+    Falls back to the Llama-style decoder's ``layers``, else to the one stack beside the input
+    embedding, when no key indexes a stack (Nemotron-H's plan without MoE layers names only
+    ``embeddings``).
     """
     found: list[str] = []
     for key in plan:
@@ -42,9 +44,22 @@ def layer_containers(model: nn.Module, plan: dict[str, ParallelStyle]) -> list[s
             if isinstance(stack, nn.ModuleList) and len(stack) and fqn not in found:
                 found.append(fqn)
             break
-    if not found and (decoder := find_decoder(model)) is not None and len(decoder[1].layers):
-        found.append(f"{decoder[0]}.layers" if decoder[0] else "layers")
-    return found
+    return found or _embedding_siblings(model)
+
+
+def _embedding_siblings(model: nn.Module) -> list[str]:
+    """The one non-empty ``nn.ModuleList`` beside the input embedding (a plan naming only the embedding)."""
+    decoder = find_decoder(model)
+    if decoder is not None and len(decoder[1].layers):
+        return [f"{decoder[0]}.layers" if decoder[0] else "layers"]
+    embed = module_fqn(model, model_embeddings(model, "get_input_embeddings"))
+    if embed is None:
+        return []
+    parent = _parent(embed)
+    owner = model.get_submodule(parent) if parent else model
+    prefix = f"{parent}." if parent else ""
+    stacks = [f"{prefix}{n}" for n, c in owner.named_children() if isinstance(c, nn.ModuleList) and len(c)]
+    return stacks if len(stacks) == 1 else []
 
 
 def _parent(fqn: str) -> str:
@@ -228,21 +243,27 @@ def replicated_norms(
 
     Sequence-parallel norms under SP, else ``ReplicateParallel``, so that every parameter is a DTensor.
     Found by class name, whatever the attribute is called (Phi's ``final_layernorm``, GPT-J's ``ln_1``).
+    A block norm gets one pattern entry (``layers.*.input_layernorm``) unless that pattern would also
+    match a nested module (fnmatch's ``*`` crosses dots: Nemotron-H's ``layers.*.norm`` would catch
+    the Mamba mixer's own gated ``mixer.norm``); then one entry per layer.
     """
-    norms: dict[str, str] = {}
+    norms: dict[str, list[str]] = {}
     for container in containers:
         for index, layer in enumerate(model.get_submodule(container)):
             for name, child in layer.named_children():
                 if _is_norm(child):
-                    norms.setdefault(f"{container}.*.{name}", f"{container}.{index}.{name}")
+                    norms.setdefault(f"{container}.*.{name}", []).append(f"{container}.{index}.{name}")
         parent = _parent(container)
         owner = model.get_submodule(parent) if parent else model
         prefix = f"{parent}." if parent else ""
         norms.update(
-            {f"{prefix}{n}": f"{prefix}{n}" for n, child in owner.named_children() if _is_norm(child)}
+            {f"{prefix}{n}": [f"{prefix}{n}"] for n, child in owner.named_children() if _is_norm(child)}
         )
+    fqns = [fqn for fqn, _ in model.named_modules()]
     out = dict(plan)
-    for pattern, fqn in norms.items():
-        if not any(fnmatchcase(fqn, key) for key in out):
-            out[pattern] = SequenceParallelNorm() if sequence_parallel else ReplicateParallel()
+    for pattern, intended in norms.items():
+        todo = [fqn for fqn in intended if not any(fnmatchcase(fqn, key) for key in out)]
+        exact = set(todo) == {fqn for fqn in fqns if fnmatchcase(fqn, pattern)}
+        for key in [pattern] if exact else todo:
+            out[key] = SequenceParallelNorm() if sequence_parallel else ReplicateParallel()
     return out
