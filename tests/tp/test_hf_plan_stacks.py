@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import RowwiseParallel
 from plait.testing import tiny_hf_model
 from plait.tp import (
     AllReduceParallel,
+    IdentityExpertParallel,
     ReplicateOwnParams,
     ReplicateParallel,
     SequenceParallelBlock,
@@ -128,3 +129,18 @@ def test_a_norm_pattern_that_would_catch_a_nested_norm_becomes_one_entry_per_lay
         plan = hf_tp_plan(model, sp)
         assert plan is not None and "model.layers.*.norm" not in plan
         assert [type(plan.get(f"model.layers.{i}.norm")) for i in (0, 1)] == [norm, norm]
+
+
+def test_module_list_children_are_wrapped_element_by_element() -> None:
+    """LongCat-Flash: two attentions and two norms per layer in lists; an identity expert in the experts."""
+    latent = {"kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+              "v_head_dim": 8, "head_dim": 8}  # fmt: skip
+    model = tiny_hf_model("longcat_flash", **SIZES, **latent, num_key_value_heads=4, num_layers=1,
+                          n_routed_experts=4, zero_expert_num=2, expert_ffn_hidden_size=32,
+                          ffn_hidden_size=96, moe_topk=2)  # fmt: skip
+    plan = hf_tp_plan(model, True)
+    assert plan is not None
+    assert type(plan["model.layers.*.mlp.experts.identity_expert"]) is IdentityExpertParallel
+    assert [type(plan.get(f"model.layers.0.self_attn.{i}")) for i in (0, 1)] == [SequenceParallelBlock] * 2
+    assert type(plan["model.layers.*.input_layernorm.1"]) is SequenceParallelNorm
+    assert "model.layers.0.self_attn" not in plan and "model.layers.0.input_layernorm" not in plan

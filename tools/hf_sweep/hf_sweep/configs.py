@@ -47,7 +47,9 @@ _TINY_TOWER = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads"
 OVERRIDES: dict[str, dict[str, Any]] = {
     # families whose configs need more than the common fields to build at this size
     "axk1": _LATENT,
-    "beam": {"mlp_layer_types": ["dense", "sparse"]},  # both dense by default at 2 layers: no experts to shard
+    "beam": {
+        "mlp_layer_types": ["dense", "sparse"]
+    },  # both dense by default at 2 layers: no experts to shard
     "codegen": {"rotary_dim": 16},  # rotary part of each head: at most head_dim (16 at tp 4)
     "cohere_compass_text": {  # rope per layer type; the default has no entry for its full-attention layers
         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
@@ -67,6 +69,14 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     },
     "gptj": {"rotary_dim": 16},  # rotary part of each head: at most head_dim (16 at tp 4)
     # no default layer types; by default both layers would be dense (2 dense layers first)
+    # num_layers counts (attention, MLP) pairs: 1 gives the 2 hidden layers; 2 identity experts, not 256
+    "longcat_flash": {
+        **_LATENT,
+        "num_layers": 1,
+        "zero_expert_num": 2,
+        "expert_ffn_hidden_size": 64,
+        "ffn_hidden_size": 256,
+    },  # fmt: skip
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "phimoe": {"router_jitter_noise": 0.0},  # 0.01 by default: random router noise in training
     "phi4_multimodal": {  # the towers are built by the causal LM too (27 + 24 large blocks by default)

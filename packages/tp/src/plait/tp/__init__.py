@@ -7,6 +7,7 @@ from plait.tp.embedding import VocabParallelEmbedding
 from plait.tp.experts import (
     AllReduceParallel,
     ExpertsTensorParallel,
+    IdentityExpertParallel,
     LocalParamsParallel,
     MlaKvAProjParallel,
     param_placement,
@@ -37,6 +38,7 @@ __all__ = [
     "AllReduceParallel",
     "REFUSED_STYLES",
     "ExpertsTensorParallel",
+    "IdentityExpertParallel",
     "GatherSequenceInput",
     "LocalParamsParallel",
     "MlaKvAProjParallel",

@@ -21,6 +21,7 @@ __all__ = [
     "PARAM_STYLES",
     "AllReduceParallel",
     "ExpertsTensorParallel",
+    "IdentityExpertParallel",
     "LocalParamsParallel",
     "MlaKvAProjParallel",
     "param_placement",
@@ -223,6 +224,30 @@ class _SumForward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
+
+
+class IdentityExpertParallel(ParallelStyle):
+    """An identity ("zero-computation") expert inside :class:`ExpertsTensorParallel` experts.
+
+    The experts' output is summed over the TP group, so an expert that passes its tokens through
+    would be counted once per rank: it returns ``1 / tp`` of its input instead (LongCat-Flash's
+    ``identity_expert``). Its gradient needs nothing more: the experts' inputs and routing weights
+    have their gradients summed over the group.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        check_1d(self, device_mesh)
+        if any(True for _ in module.parameters()):
+            raise ValueError(
+                f"moe_identity_expert expects a parameter-free identity module, got {type(module).__name__} "
+                "with parameters; pass a tp_plan without it"
+            )
+        module.register_forward_hook(partial(_divide_output, device_mesh.size()))
+        return module
+
+
+def _divide_output(tp: int, module: nn.Module, args: Any, output: Any) -> Any:
+    return output / tp
 
 
 class MlaKvAProjParallel(ParallelStyle):

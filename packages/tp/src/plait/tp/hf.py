@@ -15,6 +15,7 @@ from plait.tp.experts import (
     PARAM_STYLES,
     AllReduceParallel,
     ExpertsTensorParallel,
+    IdentityExpertParallel,
     LocalParamsParallel,
     MlaKvAProjParallel,
 )
@@ -135,6 +136,8 @@ def _translate(model: nn.Module, key: str, style: Any, params: dict[str, str]) -
             style,
             f"the plan also shards its parameters {sorted(params)}, which that style cannot run",
         )
+    if style == "moe_identity_expert":
+        return IdentityExpertParallel()
     if style == "mla_kv_a_proj":
         return MlaKvAProjParallel(_rope_dim(model, key))
     try:

@@ -66,6 +66,18 @@ def _parent(fqn: str) -> str:
     return fqn.rpartition(".")[0]
 
 
+def _block_children(layer: nn.Module) -> list[tuple[str, nn.Module]]:
+    """A layer's children, a ``nn.ModuleList`` child as its elements (LongCat-Flash's two attentions
+    and two norms per layer: ``self_attn.0``, ``input_layernorm.1``), since a list is never called."""
+    found = []
+    for name, child in layer.named_children():
+        if isinstance(child, nn.ModuleList):
+            found.extend((f"{name}.{i}", element) for i, element in enumerate(child))
+        else:
+            found.append((name, child))
+    return found
+
+
 def _is_norm(module: nn.Module) -> bool:
     return "norm" in type(module).__name__.lower()
 
@@ -104,7 +116,7 @@ def _unplanned_blocks(plan: dict[str, ParallelStyle], stack: nn.Module, containe
     """
     found = []
     for index, layer in enumerate(stack):
-        for name, child in layer.named_children():
+        for name, child in _block_children(layer):
             fqn = f"{container}.{index}.{name}"
             inner = [fqn, *(f"{fqn}.{sub}" for sub, _ in child.named_modules() if sub)]
             planned = any(fnmatchcase(f, key) for f in inner for key in plan)
@@ -192,8 +204,9 @@ def _wrap_blocks(
         # One entry per layer: fnmatch's `*` also crosses dots (`layers.*.mlp` would match AXK2's
         # `layers.0.input_layernorm.mlp`).
         for index, layer in enumerate(stack):
-            if isinstance(getattr(layer, block, None), nn.Module):
-                out[f"{container}.{index}.{block}"] = SequenceParallelBlock(plan.get(f"{pattern}{block}"))
+            for name, _ in _block_children(layer):
+                if name == block or name.startswith(f"{block}."):
+                    out[f"{container}.{index}.{name}"] = SequenceParallelBlock(plan.get(f"{pattern}{block}"))
         out.pop(f"{pattern}{block}", None)
     for fqn in _unplanned_blocks(out, stack, container):
         out[fqn] = SequenceParallelBlock()
@@ -250,7 +263,7 @@ def replicated_norms(
     norms: dict[str, list[str]] = {}
     for container in containers:
         for index, layer in enumerate(model.get_submodule(container)):
-            for name, child in layer.named_children():
+            for name, child in _block_children(layer):
                 if _is_norm(child):
                     norms.setdefault(f"{container}.*.{name}", []).append(f"{container}.{index}.{name}")
         parent = _parent(container)

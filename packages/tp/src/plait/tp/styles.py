@@ -43,7 +43,6 @@ _STYLE_FACTORIES: dict[str, Callable[[], ParallelStyle]] = {
 REFUSED_STYLES: dict[str, str] = {
     "all_reduce": "an all-reduce of a module's output (a shared-experts block) that plait does not translate",
     "embedding_colwise": "a hidden-dim sharded embedding, which plait does not implement",
-    "moe_identity_expert": "a pre-divided identity expert, which plait does not implement",
 }
 """Style strings of Hugging Face plans that plait refuses, with the reason shown to the user."""
 
