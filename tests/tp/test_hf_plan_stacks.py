@@ -14,8 +14,10 @@ from plait.testing import tiny_hf_model
 from plait.tp import (
     AllReduceParallel,
     IdentityExpertParallel,
+    ReplicatedWithGradAllReduce,
     ReplicateOwnParams,
     ReplicateParallel,
+    RowwiseLocalCopy,
     SequenceParallelBlock,
     SequenceParallelNorm,
     VocabParallelEmbedding,
@@ -144,3 +146,24 @@ def test_module_list_children_are_wrapped_element_by_element() -> None:
     assert [type(plan.get(f"model.layers.0.self_attn.{i}")) for i in (0, 1)] == [SequenceParallelBlock] * 2
     assert type(plan["model.layers.*.input_layernorm.1"]) is SequenceParallelNorm
     assert "model.layers.0.self_attn" not in plan and "model.layers.0.input_layernorm" not in plan
+
+
+def test_a_norm_inside_the_embedding_gets_summed_gradients_under_sequence_parallel() -> None:
+    """Inkling's ``embed_tokens.embed_norm`` runs inside the embedding's forward, on this rank's rows."""
+    model = tiny_hf_model("inkling_text", **SIZES, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                          num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1)  # fmt: skip
+    norm = (hf_tp_plan(model, True) or {})["model.embed_tokens.embed_norm"]
+    assert type(norm) is ReplicatedWithGradAllReduce and norm.input_layouts == Shard(1)
+    assert "model.embed_tokens.embed_norm" not in (hf_tp_plan(model, False) or {})  # whole rows: complete
+
+
+def test_row_wise_outputs_of_a_translated_plan_may_be_updated_in_place() -> None:
+    """Llama4 adds the routed experts into the shared expert's output in place (``out.add_``)."""
+    model = tiny_hf_model("llama4_text", **SIZES, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                          intermediate_size_mlp=96)  # fmt: skip
+    plan = hf_tp_plan(model, False)
+    assert plan is not None
+    assert type(plan["model.layers.*.feed_forward.shared_expert.down_proj"]) is RowwiseLocalCopy
+    assert (
+        type((hf_tp_plan(model, True) or {})["model.layers.*.self_attn.o_proj"]) is RowwiseParallel
+    )  # Shard(1)

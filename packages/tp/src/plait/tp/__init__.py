@@ -31,7 +31,7 @@ from plait.tp.sequence import (
     SequenceParallelBlock,
     SequenceParallelNorm,
 )
-from plait.tp.styles import REFUSED_STYLES, loss_parallel_head, parse_style
+from plait.tp.styles import REFUSED_STYLES, RowwiseLocalCopy, loss_parallel_head, parse_style
 from plait.tp.validate import validate_tp_mesh
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "ReplicateOwnParams",
     "ReplicateParallel",
     "ReplicatedWithGradAllReduce",
+    "RowwiseLocalCopy",
     "RotaryEmbeddingParallel",
     "SequenceParallelAllGather",
     "SequenceParallelBlock",

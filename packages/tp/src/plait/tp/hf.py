@@ -7,7 +7,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 from plait.tp.discovery import family_name, language_rank, model_embeddings, module_fqn
 from plait.tp.embedding import VocabParallelEmbedding
@@ -21,7 +21,7 @@ from plait.tp.experts import (
 )
 from plait.tp.hf_sequence import layer_containers, replicated_norms, sequence_parallel_plan
 from plait.tp.registry import register_tp_plan
-from plait.tp.styles import REFUSED_STYLES, loss_parallel_head, parse_style
+from plait.tp.styles import REFUSED_STYLES, RowwiseLocalCopy, loss_parallel_head, parse_style
 
 __all__ = ["hf_tp_plan", "is_remote_code_model"]
 _HEAD_STYLES = frozenset({"colwise_rep", "colwise_gather_output", "colwise"})
@@ -141,12 +141,17 @@ def _translate(model: nn.Module, key: str, style: Any, params: dict[str, str]) -
     if style == "mla_kv_a_proj":
         return MlaKvAProjParallel(_rope_dim(model, key))
     try:
-        return parse_style(style)
+        parsed = parse_style(style)
     except ValueError:
         why = (
             REFUSED_STYLES.get(style, "plait does not implement that style") if isinstance(style, str) else ""
         )
         raise _refuse(model, key, style, why or "not a style string") from None
+    if type(parsed) is RowwiseParallel:  # a model's own code may update its output in place (Llama4)
+        return RowwiseLocalCopy(
+            input_layouts=parsed.input_layouts[0], output_layouts=parsed.output_layouts[0]
+        )
+    return parsed
 
 
 def _translate_all(model: nn.Module, raw: dict[str, Any], head: str | None) -> dict[str, ParallelStyle]:

@@ -16,11 +16,12 @@ from plait.tp.discovery import family_name, find_decoder, model_embeddings, modu
 from plait.tp.embedding import VocabParallelEmbedding
 from plait.tp.replicate import ReplicatedWithGradAllReduce, ReplicateOwnParams, ReplicateParallel
 from plait.tp.sequence import SequenceParallelAllGather, SequenceParallelBlock, SequenceParallelNorm
-from plait.tp.styles import loss_parallel_head
+from plait.tp.styles import RowwiseLocalCopy, loss_parallel_head
 
 __all__ = ["layer_containers", "replicated_norms", "sequence_parallel_plan"]
 
-_SEQUENCE_READY = (ColwiseParallel, RowwiseParallel, ReplicatedWithGradAllReduce)
+_ROWWISE = (RowwiseParallel, RowwiseLocalCopy)
+_SEQUENCE_READY = (ColwiseParallel, *_ROWWISE, ReplicatedWithGradAllReduce)
 
 
 def layer_containers(model: nn.Module, plan: dict[str, ParallelStyle]) -> list[str]:
@@ -103,9 +104,7 @@ def _whole_sequence_blocks(plan: dict[str, ParallelStyle], layers: str) -> set[s
             blocks.add(_block(key, layers))
     # Column-wise projections without a row-wise one (Qwen3-Next's linear attention, all
     # `colwise_gather_output`) return a whole plain tensor, not this rank's Shard(1) slice.
-    blocks.update(
-        b for b, types in styles.items() if ColwiseParallel in types and RowwiseParallel not in types
-    )
+    blocks.update(b for b, types in styles.items() if ColwiseParallel in types and not types & set(_ROWWISE))
     return blocks
 
 
@@ -136,7 +135,7 @@ def _relayout(
         # Sharded or gathered output alike: a Shard(1) DTensor input (the residual stream) is
         # all-gathered by the style itself, a plain one is whole already.
         return style
-    if inside is not None and type(style) is RowwiseParallel:
+    if inside is not None and type(style) in _ROWWISE:
         return RowwiseParallel(
             input_layouts=style.input_layouts[0], output_layouts=Shard(1), use_local_output=False
         )
@@ -155,6 +154,23 @@ def _embedding(style: ParallelStyle) -> ParallelStyle | None:
     if type(style) is ReplicateParallel:  # a whole embedding on every rank: keep this rank's slice
         return ReplicateParallel(output_layouts=Shard(1), use_local_output=False)
     return None
+
+
+def _inside_embedding(
+    model: nn.Module, embed: str, plan: dict[str, ParallelStyle]
+) -> dict[str, ParallelStyle]:
+    """Parameterised modules inside the input embedding (Inkling's ``embed_norm``), read as sequence-sharded.
+
+    The embedding's own forward runs around the lookup on this rank's ``Shard(1)`` rows, so their
+    gradients are partial and are summed over TP.
+    """
+    return {
+        f"{embed}.{sub}": ReplicatedWithGradAllReduce(input_dim=1)
+        for sub, module in model.get_submodule(embed).named_modules()
+        if sub
+        and any(True for _ in module.parameters(recurse=False))
+        and not any(fnmatchcase(f"{embed}.{sub}", key) for key in plan)
+    }
 
 
 def sequence_parallel_plan(
@@ -179,6 +195,7 @@ def sequence_parallel_plan(
             out[key] = loss_parallel_head(sequence_parallel=True)
         elif key == embed and (start := _embedding(style)) is not None:
             out[key] = start
+            out.update(_inside_embedding(model, embed, plan))
         else:
             out[key] = _relayout(model, key, style, layers, whole)
     for container in containers:

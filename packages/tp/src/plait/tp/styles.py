@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
@@ -11,7 +15,7 @@ from plait.tp.embedding import VocabParallelEmbedding
 from plait.tp.replicate import ReplicatedWithGradAllReduce, ReplicateParallel
 from plait.tp.sequence import SequenceParallelNorm
 
-__all__ = ["REFUSED_STYLES", "loss_parallel_head", "parse_style"]
+__all__ = ["REFUSED_STYLES", "RowwiseLocalCopy", "loss_parallel_head", "parse_style"]
 
 
 def loss_parallel_head(*, sequence_parallel: bool = False) -> ColwiseParallel:
@@ -25,6 +29,22 @@ def loss_parallel_head(*, sequence_parallel: bool = False) -> ColwiseParallel:
         output_layouts=Shard(-1),
         use_local_output=False,
     )
+
+
+class RowwiseLocalCopy(RowwiseParallel):
+    """``RowwiseParallel`` whose plain-tensor output is a tensor of its own, not a view of the DTensor's.
+
+    torch's ``to_local`` hands back a view made inside a custom autograd function, which autograd
+    forbids modifying in place; a model that updates a row-wise output in place (Llama4's
+    ``out = self.shared_expert(x); out.add_(routed)``) would fail. One copy of the output per call.
+    """
+
+    @staticmethod
+    def _prepare_output_fn(
+        output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, device_mesh: DeviceMesh
+    ) -> Any:
+        out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return out.clone() if use_local_output and isinstance(out, torch.Tensor) else out
 
 
 _STYLE_FACTORIES: dict[str, Callable[[], ParallelStyle]] = {
