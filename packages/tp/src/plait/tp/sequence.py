@@ -193,24 +193,26 @@ def _block_post_hook(
 
     A tensor output, or each element of a tuple output whose leading (batch, sequence) dims are the
     input's: a hyper-connection returns its mixing weights beside the hidden states, an attention
-    block its attention weights (left whole).
+    block its attention weights (left whole). A first output with the tokens flattened
+    (``[batch * seq, hidden]``, Llama4's MoE) comes back as ``[batch, seq, hidden]``; the caller's
+    ``view(residual.shape)`` then reads it as before.
     """
     hidden = args[0] if args else kwargs.get("hidden_states")
     lead = tuple(hidden.shape[:2]) if isinstance(hidden, torch.Tensor) else None
 
-    def scatter(value: Any) -> Any:
-        if (
-            not isinstance(value, torch.Tensor)
-            or isinstance(value, DTensor)
-            or tuple(value.shape[:2]) != lead
-        ):
+    def scatter(value: Any, first: bool) -> Any:
+        if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or lead is None:
+            return value
+        if first and value.shape[0] == lead[0] * lead[1] and tuple(value.shape[:2]) != lead:
+            value = value.unflatten(0, lead)  # tokens flattened by the block (Llama4's MoE): (batch, seq)
+        if tuple(value.shape[:2]) != lead:
             return value
         return DTensor.from_local(value, mesh, (Replicate(),), run_check=False).redistribute(
             mesh, (Shard(1),)
         )
 
     if isinstance(output, torch.Tensor):
-        return scatter(output)
+        return scatter(output, True)
     if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-        return tuple(scatter(value) for value in output)
+        return tuple(scatter(value, i == 0) for i, value in enumerate(output))
     raise TypeError(f"SequenceParallelBlock expects {type(module).__name__} to return a tensor or a tuple")
