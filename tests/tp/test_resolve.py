@@ -15,6 +15,7 @@ from plait.tp import (
     GatherSequenceInput,
     ReplicatedWithGradAllReduce,
     ReplicateParallel,
+    RowwiseLocalCopy,
     SequenceParallelAllGather,
     SequenceParallelNorm,
     VocabParallelEmbedding,
@@ -184,7 +185,7 @@ def test_hf_plan_translation_for_an_unregistered_hf_class() -> None:
     }
     assert plan["lm_head"].output_layouts == (Shard(-1),) and plan["lm_head"].use_local_output is False
     assert type(plan["model.embed_tokens"]) is VocabParallelEmbedding
-    assert type(plan["model.layers.*.self_attn.o_proj"]) is RowwiseParallel
+    assert type(plan["model.layers.*.self_attn.o_proj"]) is RowwiseLocalCopy  # its own output tensor
     sp = hf_tp_plan(model, True)
     assert sp is not None
     assert type(sp["model.layers.*.post_attention_layernorm"]) is SequenceParallelNorm
