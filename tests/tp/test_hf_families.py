@@ -62,3 +62,10 @@ def test_families_dp_shard2_tp2(sp: bool) -> None:
 def test_families_tp4() -> None:
     families = [(name, {**overrides, **TP4}) for name, overrides in FAMILIES]
     _check(run_on_ranks(family_parity, 4, families, 4, False, timeout=400), families)
+
+
+def test_the_core_families_tp4_with_sequence_parallel() -> None:
+    """Gemma3, Gemma2, Phi3 and Qwen3 at tp=4 with SP on (SP off: above)."""
+    core = {"gemma3_text", "gemma2", "phi3", "qwen3"}
+    families = [(name, {**overrides, **TP4}) for name, overrides in FAMILIES if name in core]
+    _check(run_on_ranks(family_parity, 4, families, 4, True, timeout=400), families)
