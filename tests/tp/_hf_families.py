@@ -30,6 +30,18 @@ SIZES: dict[str, Any] = {
 
 Family = tuple[str, dict[str, Any]]  # (model_type, config overrides)
 
+# Column-wise projections gathering their outputs, as Qwen3-Next's linear attention: under SP the
+# block returns a whole tensor and must run on the gathered sequence.
+GATHERED_MLP = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise_gather_output",
+    "layers.*.mlp.up_proj": "colwise_gather_output",
+    "layers.*.mlp.down_proj": "colwise_gather_output",
+}
+
 
 def build(model_type: str, overrides: dict[str, Any]) -> nn.Module:
     """A seeded tiny causal LM: hidden 64, 2 layers, vocab 96, eager attention, fp32, noisy norm weights."""

@@ -16,19 +16,8 @@ from typing import Any
 import pytest
 
 from plait.testing import run_on_ranks
-from tests.tp._hf_families import Family, family_parity
+from tests.tp._hf_families import GATHERED_MLP, Family, family_parity
 
-# Column-wise projections gathering their outputs, as Qwen3-Next's linear attention: under SP the
-# block returns a whole tensor and must run on the gathered sequence.
-GATHERED_MLP = {
-    "layers.*.self_attn.q_proj": "colwise",
-    "layers.*.self_attn.k_proj": "colwise",
-    "layers.*.self_attn.v_proj": "colwise",
-    "layers.*.self_attn.o_proj": "rowwise",
-    "layers.*.mlp.gate_proj": "colwise_gather_output",
-    "layers.*.mlp.up_proj": "colwise_gather_output",
-    "layers.*.mlp.down_proj": "colwise_gather_output",
-}
 SLIDING = {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}  # window 4 < seq 8
 FAMILIES: list[Family] = [
     ("gemma3_text", SLIDING),

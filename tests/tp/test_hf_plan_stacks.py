@@ -24,6 +24,7 @@ from plait.tp import (
     hf_tp_plan,
     layer_containers,
 )
+from tests.tp._hf_families import GATHERED_MLP
 from tests.tp._models import hf_config
 
 SIZES = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4}
@@ -57,15 +58,7 @@ def test_two_stacks_and_a_decoder_parameter() -> None:
 
 def test_a_block_without_a_rowwise_projection_runs_whole() -> None:
     """Gathered column-wise outputs (Qwen3-Next's linear attention) are whole, not this rank's slice."""
-    gathered = {
-        "layers.*.self_attn.q_proj": "colwise",
-        "layers.*.self_attn.k_proj": "colwise",
-        "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.mlp.gate_proj": "colwise_gather_output",
-        "layers.*.mlp.up_proj": "colwise_gather_output",
-    }
-    model = transformers.LlamaForCausalLM(hf_config("llama", base_model_tp_plan=gathered))
+    model = transformers.LlamaForCausalLM(hf_config("llama", base_model_tp_plan=GATHERED_MLP))
     plan = hf_tp_plan(model, True)
     assert plan is not None
     assert [type(plan[f"model.layers.{i}.mlp"]) for i in (0, 1)] == [SequenceParallelBlock] * 2
