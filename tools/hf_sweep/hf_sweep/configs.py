@@ -69,6 +69,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     },
     "gptj": {"rotary_dim": 16},  # rotary part of each head: at most head_dim (16 at tp 4)
     # no default layer types; by default both layers would be dense (2 dense layers first)
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     # num_layers counts (attention, MLP) pairs: 1 gives the 2 hidden layers; 2 identity experts, not 256
     "longcat_flash": {
         **_LATENT,
@@ -76,8 +77,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "zero_expert_num": 2,
         "expert_ffn_hidden_size": 64,
         "ffn_hidden_size": 256,
-    },  # fmt: skip
-    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    },
     "phimoe": {"router_jitter_noise": 0.0},  # 0.01 by default: random router noise in training
     "phi4_multimodal": {  # the towers are built by the causal LM too (27 + 24 large blocks by default)
         "vision_config": {**_TINY_TOWER, "num_hidden_layers": 1},
