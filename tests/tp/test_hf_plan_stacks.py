@@ -160,3 +160,9 @@ def test_row_wise_outputs_of_a_translated_plan_may_be_updated_in_place() -> None
     assert (
         type((hf_tp_plan(model, True) or {})["model.layers.*.self_attn.o_proj"]) is RowwiseParallel
     )  # Shard(1)
+
+
+def test_an_output_layout_with_a_plain_output_is_refused() -> None:
+    """``output_layouts`` only means something for a DTensor output: never accepted and ignored."""
+    with pytest.raises(ValueError, match=r"output_layouts=.*use_local_output=False"):
+        ReplicateParallel(output_layouts=Shard(1))  # the message names the placement

@@ -263,7 +263,8 @@ def _final_norm(model: nn.Module, containers: list[str]) -> str | None:
     parent = _parent(containers[-1])
     owner = model.get_submodule(parent) if parent else model
     names = [name for name, child in owner.named_children() if _is_norm(child)]
-    return f"{parent}.{names[-1]}" if parent and names else (names[-1] if names else None)
+    prefix = f"{parent}." if parent else ""
+    return f"{prefix}{names[-1]}" if names else None
 
 
 def replicated_norms(

@@ -172,6 +172,11 @@ class ReplicateParallel(ParallelStyle):
         use_local_output: bool = True,
     ) -> None:
         super().__init__()
+        if output_layouts is not None and use_local_output:
+            raise ValueError(
+                f"ReplicateParallel(output_layouts={output_layouts!r}) returns a DTensor in that layout; "
+                "pass use_local_output=False with it, or drop output_layouts for a plain tensor"
+            )
         self.input_layouts = input_layouts or Replicate()
         self.output_layouts = output_layouts
         self.use_local_output = use_local_output
@@ -233,6 +238,8 @@ def _replicated_forward(
     first = args[0] if args else next(iter(kwargs.values()), None)
     if isinstance(first, DTensor):
         out = forward(*args, **kwargs)
+        if isinstance(out, DTensor) and style.output_layouts is not None:
+            return out.redistribute(mesh, [style.output_layouts])
         return out.to_local() if style.use_local_output and isinstance(out, DTensor) else out
     placement = _grad_placement(style, first)
     with _local_state(module, placement) as local:
