@@ -200,6 +200,7 @@ def sequence_parallel_plan(
             out[key] = _relayout(model, key, style, layers, whole)
     for container in containers:
         _wrap_blocks(out, plan, model.get_submodule(container), container, whole)
+        out.update(_layer_own_params(out, model.get_submodule(container), container))
     norms = replicated_norms(model, out, containers, sequence_parallel=True)
     final = _final_norm(model, containers)
     if head not in out and final and isinstance(norms.get(final), SequenceParallelNorm):
@@ -226,7 +227,23 @@ def _wrap_blocks(
                     out[f"{container}.{index}.{name}"] = SequenceParallelBlock(plan.get(f"{pattern}{block}"))
         out.pop(f"{pattern}{block}", None)
     for fqn in _unplanned_blocks(out, stack, container):
-        out[fqn] = SequenceParallelBlock()
+        out[fqn] = SequenceParallelBlock(replicate_params=True)
+
+
+def _layer_own_params(
+    plan: dict[str, ParallelStyle], stack: nn.Module, container: str
+) -> dict[str, ParallelStyle]:
+    """Layers holding parameters of their own (Dory's residual rates ``lambda_1``), replicated.
+
+    The layer's forward applies them to the ``Shard(1)`` stream between its children: as
+    ``Replicate()`` DTensors they run through DTensor, whose rules give complete gradients.
+    """
+    return {
+        f"{container}.{index}": ReplicateOwnParams()
+        for index, layer in enumerate(stack)
+        if any(True for _ in layer.parameters(recurse=False))
+        and not any(fnmatchcase(f"{container}.{index}", key) for key in plan)
+    }
 
 
 def _covered(fqn: str, plan: dict[str, ParallelStyle]) -> bool:

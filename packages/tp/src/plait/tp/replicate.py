@@ -22,6 +22,7 @@ __all__ = [
     "ReplicateParallel",
     "ReplicatedWithGradAllReduce",
     "ShardedRegion",
+    "local_state",
     "replicate_own_params",
     "sum_partial_grad",
 ]
@@ -197,7 +198,7 @@ def _grad_placement(style: ReplicateParallel, first: Any) -> Placement:
 
 
 @contextmanager
-def _local_state(module: nn.Module, grad_placement: Placement) -> Iterator[list[torch.Tensor]]:
+def local_state(module: nn.Module, grad_placement: Placement) -> Iterator[list[torch.Tensor]]:
     """Swap the replicated DTensor parameters and buffers of ``module`` and its children for local tensors.
 
     Written to the registries directly, as FSDP2 does with its unsharded parameters, and put back on
@@ -242,7 +243,7 @@ def _replicated_forward(
             return out.redistribute(mesh, [style.output_layouts])
         return out.to_local() if style.use_local_output and isinstance(out, DTensor) else out
     placement = _grad_placement(style, first)
-    with _local_state(module, placement) as local:
+    with local_state(module, placement) as local:
         out = forward(*args, **kwargs)
     if style.region is not None and isinstance(placement, Replicate):
         style.region.watch(out, [p for p in local if p.requires_grad], mesh.get_group())

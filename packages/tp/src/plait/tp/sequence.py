@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from plait.tp.embedding import check_1d
-from plait.tp.replicate import replicate_own_params
+from plait.tp.replicate import local_state, replicate_own_params
 
 __all__ = [
     "GatherSequenceInput",
@@ -136,11 +137,23 @@ class SequenceParallelBlock(ParallelStyle):
     the block runs as under TP without SP (its output whole on every rank), and each output with the
     input's (batch, sequence) dims is handed back as a ``Shard(1)`` DTensor: this rank's sequence
     slice, all-gathered again in backward.
+
+    With ``replicate_params`` (a block no plan entry reaches) the parameters and buffers of the block
+    and its children become ``Replicate()`` DTensors, swapped for local tensors while the hooked
+    forward runs on the gathered sequence (every rank computes the same, complete, gradient). A call
+    that bypasses the hooks (Gemma3n's decoder calls AltUp's ``predict`` and ``correct`` methods,
+    and its ``forward`` directly, on the ``Shard(1)`` stream) then runs through DTensor, whose rules
+    give complete gradients, instead of mixing plain weights with DTensor activations.
     """
 
-    def __init__(self, inner: ParallelStyle | None = None) -> None:
+    def __init__(self, inner: ParallelStyle | None = None, *, replicate_params: bool = False) -> None:
         super().__init__()
+        if inner is not None and replicate_params:
+            raise ValueError(
+                "SequenceParallelBlock(replicate_params=True) is for a block without an inner style"
+            )
         self.inner = inner
+        self.replicate_params = replicate_params
 
     @property
     def param_styles(self) -> dict[str, str]:
@@ -157,9 +170,20 @@ class SequenceParallelBlock(ParallelStyle):
         check_1d(self, device_mesh)
         if self.inner is not None:  # e.g. attention sinks: the block's own style, run inside the hooks
             module = self.inner._apply(module, device_mesh)
+        if self.replicate_params:
+            distribute_module(module, device_mesh, replicate_own_params)
+            module.forward = partial(_local_forward, module, module.forward)
         module.register_forward_pre_hook(partial(_block_pre_hook, device_mesh), with_kwargs=True)
         module.register_forward_hook(partial(_block_post_hook, device_mesh), with_kwargs=True)
         return module
+
+
+def _local_forward(module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """The block's forward on local weights for the gathered (plain) sequence, through DTensor otherwise."""
+    if any(isinstance(v, DTensor) for v in (*args, *kwargs.values())):
+        return forward(*args, **kwargs)  # called past the hooks, on the Shard(1) stream
+    with local_state(module, Replicate()):
+        return forward(*args, **kwargs)
 
 
 def _whole(value: Any, mesh: DeviceMesh) -> Any:
