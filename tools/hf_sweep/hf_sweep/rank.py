@@ -25,8 +25,11 @@ TOLERANCE = 1e-5
 def _build(model_type: str, tp: int, dtype: torch.dtype) -> nn.Module:
     import transformers
 
+    config = tiny_config(model_type, tp)
+    if dtype == torch.float64:  # grouped_mm has no float64 kernel: fused experts run the per-expert loop
+        config._experts_implementation = "eager"
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, tp)).to(dtype)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
     with torch.no_grad():  # zero-initialised vectors (Gemma's 1 + w norms) would hide gradient errors
         for param in model.parameters():
             if param.ndim == 1:
