@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
-import transformers
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel
+import copy
+from collections.abc import Callable
 
-from plait.tp import ReplicateParallel, SequenceParallelBlock, SequenceParallelNorm, hf_tp_plan
+import torch
+import transformers
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+from plait.testing import tiny_hf_model
+from plait.tp import (
+    ReplicateOwnParams,
+    ReplicateParallel,
+    SequenceParallelBlock,
+    SequenceParallelNorm,
+    hf_tp_plan,
+)
 from tests.tp._models import hf_config
 
 MLP_ONLY = {
@@ -22,7 +35,8 @@ def test_unplanned_attention_runs_whole_under_sequence_parallel() -> None:
     plan = hf_tp_plan(model, True)
     assert plan is not None
     for layer in (0, 1):
-        assert type(plan[f"model.layers.{layer}.self_attn"]) is SequenceParallelBlock, sorted(plan)
+        block = plan[f"model.layers.{layer}.self_attn"]
+        assert type(block) is SequenceParallelBlock and block.replicate_params, sorted(plan)
         assert f"model.layers.{layer}.mlp" not in plan  # planned inside: its styles take the Shard(1) input
     assert type(plan["model.layers.*.mlp.gate_proj"]) is ColwiseParallel
     assert type(plan["model.layers.*.input_layernorm"]) is SequenceParallelNorm
@@ -72,3 +86,42 @@ def test_a_local_params_block_runs_whole_under_sequence_parallel_keeping_its_sty
     block = plan["model.layers.1.self_attn"]
     assert type(block) is SequenceParallelBlock and block.param_styles == {"sinks": "colwise"}
     assert plan["model.layers.*.self_attn.o_proj"].output_layouts == (Replicate(),)  # as without SP
+
+
+class _AltUp(nn.Module):
+    """Gemma3n's AltUp: its decoder calls ``predict`` and ``forward`` as methods, past the module's hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.proj = nn.Linear(8, 8)
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+def test_an_unplanned_block_called_past_its_hooks_runs_through_dtensor(fake_pg: Callable) -> None:
+    """Replicated weights: a method call on the Shard(1) stream runs through DTensor, the hooked one whole."""
+    torch.manual_seed(0)
+    ref, x = _AltUp(), torch.randn(2, 4, 8)
+    with fake_pg(1):
+        mesh = init_device_mesh("cpu", (1,))
+        block = parallelize_module(copy.deepcopy(ref), mesh, SequenceParallelBlock(replicate_params=True))
+        stream = DTensor.from_local(x, mesh, (Shard(1),))
+        for got, want in ((block.predict(stream), ref.predict(x)), (block(stream), ref(x))):
+            assert isinstance(got, DTensor) and got.placements == (Shard(1),)
+            torch.testing.assert_close(got.full_tensor(), want)
+        assert all(isinstance(p, DTensor) for p in block.parameters())
+
+
+def test_layers_with_parameters_of_their_own_get_them_replicated_under_sequence_parallel() -> None:
+    """Dory's residual rates ``lambda_1`` / ``lambda_2`` on the layer itself meet the Shard(1) stream."""
+    model = tiny_hf_model("dory", vocab_size=96, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16)  # fmt: skip
+    plan = hf_tp_plan(model, True)
+    assert plan is not None
+    assert [type(plan.get(f"model.layers.{i}")) for i in (0, 1)] == [ReplicateOwnParams] * 2
+    assert not any(key.endswith(("layers.0", "layers.1")) for key in hf_tp_plan(model, False) or {})
