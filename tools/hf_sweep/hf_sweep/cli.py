@@ -94,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         help="model dtype (float64: is a float32 MISMATCH rounding? use with --out elsewhere)",
     )
     parser.add_argument("--resume", action="store_true", help="skip families already in results.jsonl")
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="float32's own error next to the parallel copy's (hf_sweep/floor.py): OUT/floor.jsonl",
+    )
     args = parser.parse_args(argv)
     if args.isolate and args.dtype != "float32":
         parser.error("--isolate runs float32 only; drop --isolate to sweep in float64")
@@ -103,6 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     from hf_sweep.configs import sweep_families
 
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.floor:
+        from hf_sweep.floor import sweep_floor
+
+        sweep_floor(
+            sweep_families([f for f in args.families.split(",") if f] or None), args.out, args.case_timeout
+        )
+        return 0
     jsonl = args.out / "results.jsonl"
     if not args.report_only:
         families = sweep_families([f for f in args.families.split(",") if f] or None)
