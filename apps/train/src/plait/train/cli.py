@@ -156,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         from plait.train.lifecycle import die_with_launcher
 
         die_with_launcher()
+    else:
+        from plait.train.rank_server import start_rank_server
+
+        start_rank_server()
     with defer_sigterm():
         try:
             from plait.train.launch import check_nproc

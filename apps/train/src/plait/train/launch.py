@@ -101,15 +101,15 @@ def launch_local(argv: list[str], *, nproc_per_node: int, max_restarts: int = 0)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    if "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    from plait.train.rank_server import start_rank_server
+
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc_per_node))
+    start_rank_server()
     _quiet_elastic_logs()
     attempt = 0
     while True:
-        os.environ[ATTEMPT_ENV] = str(attempt)
         try:
-            _launch_once(argv, nproc_per_node)
+            _launch_once(argv, nproc_per_node, {ATTEMPT_ENV: str(attempt), "OMP_NUM_THREADS": threads})
         except SignalException as err:
             stderr_line(f"plait-train: stopped by {signal.Signals(err.sigval).name}")
             return EXIT_STOPPED
@@ -131,10 +131,13 @@ def launch_local(argv: list[str], *, nproc_per_node: int, max_restarts: int = 0)
         return 0
 
 
-def _launch_once(argv: list[str], nproc_per_node: int) -> None:
+def _launch_once(argv: list[str], nproc_per_node: int, env: dict[str, str]) -> None:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from plait.train.rank_server import rank_main
+
     config = LaunchConfig(
+        start_method="forkserver",
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc_per_node,
@@ -144,13 +147,14 @@ def _launch_once(argv: list[str], nproc_per_node: int) -> None:
         max_restarts=0,
         monitor_interval=0.2,
     )
-    # -P: the working directory is never importable on the ranks (a recipe names what it imports).
-    elastic_launch(config, sys.executable)("-P", "-u", "-m", "plait.train", *argv)
+    elastic_launch(config, rank_main)(argv, env)
 
 
 def _quiet_elastic_logs() -> None:
     """Our own lines say what failed; torch elastic's multi-line failure reports would repeat it."""
     for name in list(logging.root.manager.loggerDict):
-        if name.startswith("torch.distributed.elastic") or name.startswith("torch.distributed.launcher"):
+        if name.startswith(
+            ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+        ):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
