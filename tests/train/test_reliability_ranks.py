@@ -57,9 +57,20 @@ def _wait_for_step(run_dir: Path, proc: subprocess.Popen[str], step: int, timeou
         time.sleep(0.2)
 
 
-def _descendants(pid: int) -> list[int]:
+def _children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [d for child in map(int, out.split()) for d in (child, *_descendants(child))]
+    return [int(p) for p in out.split()]
+
+
+def _descendants(pid: int) -> list[int]:
+    return [d for child in _children(pid) for d in (child, *_descendants(child))]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _alive(pid: int) -> bool:
@@ -118,8 +129,9 @@ def test_a_killed_launcher_leaves_no_rank_alive(tmp_path: Path) -> None:
     ranks: list[int] = []
     try:
         _wait_for_step(run_dir, proc, 1)
-        ranks = _descendants(proc.pid)  # the 2 ranks, and the process they were forked from
-        assert len(ranks) >= 2, ranks
+        ranks = _descendants(proc.pid)
+        servers = [pid for pid in _children(proc.pid) if b"multiprocessing.forkserver" in _cmdline(pid)]
+        assert len(servers) == 1 and len(_children(servers[0])) == 2, "2 ranks forked from one server"
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + 10
