@@ -2,7 +2,7 @@
 
 import sys
 
-from plait.train.cli import main
+from plait.train.cli import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

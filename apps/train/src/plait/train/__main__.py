@@ -1,9 +1,9 @@
-"""``python -m plait.train``: the training entry point (what the local launcher starts on each rank)."""
+"""``python -m plait.train``: the training entry point (also what each rank of a ``torchrun`` job runs)."""
 
 import sys
 
-from plait.train.cli import main
+from plait.train.cli import entry
 from plait.train.imports import drop_implicit_cwd
 
 drop_implicit_cwd()  # before anything a recipe names is imported
-sys.exit(main())
+sys.exit(entry())

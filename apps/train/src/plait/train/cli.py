@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from plait.train.config import Recipe
 
-__all__ = ["main"]
+__all__ = ["entry", "main"]
 
 _COMMANDS = ("train", "plan", "validate", "show", "list")
 _DESCRIPTIONS = {
@@ -132,6 +132,22 @@ def _inspect(command: str, args: argparse.Namespace) -> int:
     return 0
 
 
+def entry() -> int:
+    """The process entry point (``plait-train``, ``python -m plait.train``, ``uv run apps/train``).
+
+    A ``train`` command outside a launcher starts the server its local ranks are forked from
+    first, so that the server's imports run while :func:`main` checks the recipe.
+    """
+    from plait.train.launch import under_launcher
+
+    command = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in _COMMANDS else "train"
+    if command == "train" and not under_launcher():
+        from plait.train.rank_server import start_rank_server
+
+        start_rank_server()
+    return main()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the process exit code."""
     args_in = list(sys.argv[1:] if argv is None else argv)
@@ -156,10 +172,6 @@ def main(argv: list[str] | None = None) -> int:
         from plait.train.lifecycle import die_with_launcher
 
         die_with_launcher()
-    else:
-        from plait.train.rank_server import start_rank_server
-
-        start_rank_server()
     with defer_sigterm():
         try:
             from plait.train.launch import check_nproc
