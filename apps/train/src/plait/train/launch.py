@@ -1,8 +1,9 @@
 """Start local ranks when not under a launcher: the same entry point under torch's elastic agent.
 
-``uv run apps/train`` without ``RANK``/``WORLD_SIZE`` re-runs itself as ``python -m plait.train``
-on ``nproc_per_node`` local ranks through ``torch.distributed.launcher.elastic_launch`` (the engine
-behind ``torchrun --standalone``): a free rendezvous port, restarts of crashed attempts when
+``uv run apps/train`` without ``RANK``/``WORLD_SIZE`` runs the same command line on
+``nproc_per_node`` local ranks through ``torch.distributed.launcher.elastic_launch`` (the engine
+behind ``torchrun --standalone``), each rank forked from :mod:`plait.train.rank_server`: a free
+rendezvous port, restarts of crashed attempts when
 asked (never of a user error, exit 2), one line on SIGTERM, at most as many ranks as the machine
 runs. Under ``torchrun`` nothing is launched; the launcher's ranks are used as they are.
 """
@@ -91,7 +92,7 @@ def check_nproc(nproc_per_node: int, device: str, *, oversubscribe: bool) -> Non
 
 
 def launch_local(argv: list[str], *, nproc_per_node: int, max_restarts: int = 0) -> int:
-    """Run ``python -m plait.train <argv>`` on ``nproc_per_node`` local ranks; return an exit code.
+    """Run the command line ``argv`` on ``nproc_per_node`` local ranks; return an exit code.
 
     A failed attempt is restarted (up to ``max_restarts`` times, each resuming from the last
     checkpoint) unless a rank exited with a user error (exit 2): the same recipe would fail the
