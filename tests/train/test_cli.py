@@ -215,8 +215,9 @@ def test_a_too_small_hf_vocabulary_is_one_line_from_validate_plan_and_train(comm
 def test_a_bad_recipe_fails_on_every_torchrun_rank_without_hanging(tmp_path: Path):
     """A too-small HF vocabulary (the check shared with a wrong mesh or a bad key) under torchrun."""
     run_dir = tmp_path / "never"
+    # A launcher pid inherited from elsewhere (pid 1: never a torchrun rank's parent) is ignored.
     proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "plait.train",
-                 *BAD_VOCAB, "--set", f"out_dir={run_dir}"])  # fmt: skip
+                 *BAD_VOCAB, "--set", f"out_dir={run_dir}"], PLAIT_LAUNCHER_PID="1")  # fmt: skip
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.startswith("plait-train: error: ")]
     assert len(lines) == 2 and all("model vocab_size 100" in line for line in lines), proc.stderr[-3000:]

@@ -27,14 +27,28 @@ __all__ = [
     "defer_sigterm",
     "launch_local",
     "max_local_ranks",
+    "rank_parent",
     "under_launcher",
 ]
 
 LAUNCHER_PID_ENV = "PLAIT_LAUNCHER_PID"
 """Set by the local launcher for its ranks: the process whose death must end them."""
+_RUN_ID_PREFIX = "plait-train-"
 ATTEMPT_ENV = "PLAIT_TRAIN_ATTEMPT"
 """Set by the local launcher: 0 for the first attempt, then 1, 2, ... per restart."""
 _RANKS_PER_CORE = 4
+
+
+def rank_parent() -> int:
+    """The pid whose death must end this rank: :data:`LAUNCHER_PID_ENV` in a job of the local launcher.
+
+    In any other job (``torchrun``, another tool's launcher) it is the parent process; a
+    ``PLAIT_LAUNCHER_PID`` inherited from elsewhere is ignored there.
+    """
+    ours = os.environ.get("TORCHELASTIC_RUN_ID", "").startswith(_RUN_ID_PREFIX)
+    if ours and LAUNCHER_PID_ENV in os.environ:
+        return int(os.environ[LAUNCHER_PID_ENV])
+    return os.getppid()
 
 
 def under_launcher() -> bool:
@@ -142,7 +156,7 @@ def _launch_once(argv: list[str], nproc_per_node: int, env: dict[str, str]) -> N
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc_per_node,
-        run_id=f"plait-train-{uuid.uuid4().hex[:8]}",
+        run_id=f"{_RUN_ID_PREFIX}{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
         max_restarts=0,

@@ -36,7 +36,7 @@ from plait.train.errors import (
     stderr_line,
     user_message,
 )
-from plait.train.launch import LAUNCHER_PID_ENV
+from plait.train.launch import rank_parent
 
 __all__ = ["STOP_TIMEOUT_ENV", "RankLifecycle", "die_with_launcher"]
 
@@ -48,9 +48,12 @@ _FAILED_KEY = "failed"
 _STOP_KEY = "stop_step"
 
 
-def die_with_launcher() -> None:
-    """Make this rank receive SIGKILL when its launcher dies; exit at once if it already has."""
-    expected = int(os.environ.get(LAUNCHER_PID_ENV, os.getppid()))
+def die_with_launcher(parent: int | None = None) -> None:
+    """Make this process receive SIGKILL when ``parent`` dies; exit at once if it already has.
+
+    ``parent`` defaults to :func:`plait.train.launch.rank_parent`.
+    """
+    expected = rank_parent() if parent is None else parent
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != expected:
@@ -95,7 +98,7 @@ class RankLifecycle:
         self._settling = threading.Event()
         self._closed = threading.Event()
         self._print_lock = threading.Lock()
-        self._parent = int(os.environ.get(LAUNCHER_PID_ENV, os.getppid()))
+        self._parent = rank_parent()
         self._previous: signal.Handlers | None = None
         self._deadline = _stop_timeout()
         self._watchdog = threading.Thread(target=self._watch, name="plait-rank-watchdog", daemon=True)

@@ -7,6 +7,9 @@ server; a launcher already gone ends it at once. This module has no other use an
 imports it.
 """
 
+import os
+
+from plait.train.launch import LAUNCHER_PID_ENV
 from plait.train.lifecycle import die_with_launcher
 
-die_with_launcher()
+die_with_launcher(int(os.environ[LAUNCHER_PID_ENV]))
