@@ -13,7 +13,7 @@ from plait.testing.driver import (
     token_batches,
 )
 from plait.testing.fake_pg import fake_process_group
-from plait.testing.harness import RankFailure, run_on_ranks
+from plait.testing.harness import RankFailure, run_on_ranks, start_forkserver
 from plait.testing.hf_models import TINY_HF_SIZES, tiny_hf_config, tiny_hf_model
 from plait.testing.models import NestedContainerModel, lm_loss, make_batch
 from plait.testing.parity import (
@@ -45,6 +45,7 @@ __all__ = [
     "max_grad_diff",
     "max_param_diff",
     "run_on_ranks",
+    "start_forkserver",
     "tiny_hf_config",
     "tiny_hf_model",
 ]

@@ -9,8 +9,14 @@ import pytest
 import torch.distributed as dist
 
 from plait.testing.fake_pg import fake_process_group
+from plait.testing.harness import start_forkserver
 
-__all__ = ["fake_pg"]
+__all__ = ["fake_pg", "pytest_configure"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Start the rank workers' forkserver while pytest collects the tests."""
+    start_forkserver()
 
 
 @pytest.fixture

@@ -1,9 +1,9 @@
 """Run a module-level function on N real gloo ranks, reusing the worker processes across calls.
 
 Each world size gets one pool of workers that stays alive for the whole test session. Workers
-are forked from multiprocessing's forkserver, which imports torch (and the heavy modules the test
-process already imported) once; a fresh pool of 8 ranks then starts in well under a second instead
-of importing torch 8 times. Every worker holds an initialised default process group (gloo, CPU).
+are forked from multiprocessing's forkserver, which imports torch (and transformers when
+installed) once, while pytest collects the tests (the plugin's `pytest_configure`); a fresh pool
+of 8 ranks then starts in well under a second instead of importing torch 8 times. Every worker holds an initialised default process group (gloo, CPU).
 A call that raises, dies or hangs on any rank discards the pool; the next call starts a fresh one,
 so a broken collective never leaks into another test.
 
@@ -19,7 +19,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import importlib.util
 import multiprocessing as mp
+import multiprocessing.forkserver as mp_forkserver
 import os
 import pickle
 import random
@@ -40,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
-__all__ = ["RankFailure", "run_on_ranks"]
+__all__ = ["RankFailure", "run_on_ranks", "start_forkserver"]
 
 _HOST = "127.0.0.1"
 _MAX_WORLD_SIZE = 8
@@ -64,7 +66,7 @@ _PRELOAD = (
     "plait.models",
     "plait.testing",
 )
-_PRELOAD_IF_IMPORTED = ("transformers",)
+_PRELOAD_IF_INSTALLED = ("transformers",)
 
 
 class RankFailure(AssertionError):
@@ -74,6 +76,17 @@ class RankFailure(AssertionError):
         self.reports = dict(sorted(reports.items()))
         body = "\n".join(f"===== rank {rank} =====\n{text.rstrip()}" for rank, text in self.reports.items())
         super().__init__(f"{summary}\n{body}")
+
+
+def start_forkserver() -> None:
+    """Start the workers' forkserver unless it runs, so that its imports overlap test collection."""
+    mp.get_context("forkserver").set_forkserver_preload(_preload())
+    with _worker_environment():
+        mp_forkserver.ensure_running()
+
+
+def _preload() -> list[str]:
+    return [*_PRELOAD, *(m for m in _PRELOAD_IF_INSTALLED if importlib.util.find_spec(m) is not None)]
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
@@ -176,7 +189,7 @@ class _Pool:
 
     def _start_workers(self) -> None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([*_PRELOAD, *(m for m in _PRELOAD_IF_IMPORTED if m in sys.modules)])
+        ctx.set_forkserver_preload(_preload())
         for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe()
             args = (
