@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from plait.testing import RankFailure, harness, run_on_ranks
+from plait.testing import RankFailure, run_on_ranks
+from plait.testing.rank_worker import MAX_SUBGROUPS
 
 
 def _rank_info(offset: int) -> tuple[int, int, str, float]:
@@ -100,7 +101,7 @@ def test_a_rank_stuck_in_a_collective_after_another_raised_is_reported_not_waite
 
 
 def test_groups_are_kept_until_the_pool_holds_too_many_then_fresh_workers_start():
-    limit = harness._MAX_SUBGROUPS
+    limit = MAX_SUBGROUPS
     first = run_on_ranks(_new_groups, 2, 1)
     second = run_on_ranks(_new_groups, 2, 1)
     assert [pid for pid, _ in first] == [pid for pid, _ in second], "a small call keeps its workers"

@@ -10,7 +10,7 @@ so a broken collective never leaks into another test.
 Process groups a call creates (meshes) are never destroyed inside a live worker: tearing a gloo
 group down while its peers tear down theirs races in gloo's event loop (the workers died with
 SIGSEGV / general protection faults in the `pt_gloo_runloop` thread, torch 2.15). Instead, a pool
-whose workers hold more than `_MAX_SUBGROUPS` groups (each holds threads and sockets) is retired
+whose workers hold more than `rank_worker.MAX_SUBGROUPS` groups (each holds threads and sockets) is retired
 after the call, all its ranks killed together, and the next call starts fresh workers.
 """
 
@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import faulthandler
 import importlib.util
 import multiprocessing as mp
 import multiprocessing.forkserver as mp_forkserver
 import os
 import pickle
-import random
 import shutil
 import signal
 import sys
@@ -33,29 +31,22 @@ import time
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-import numpy as np
-import torch
 import torch.distributed as dist
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+from plait.testing.rank_worker import HOST, IN_WORKER_ENV, PG_TIMEOUT, worker_main
 
 __all__ = ["RankFailure", "run_on_ranks", "start_forkserver"]
 
-_HOST = "127.0.0.1"
 _MAX_WORLD_SIZE = 8
 _MAX_LIVE_WORKERS = 15
 """Worker processes kept alive across pools (1 + 2 + 4 + 8); least recently used pools go first."""
-_MAX_SUBGROUPS = 96
-"""Live non-default process groups per worker after which its pool is replaced (~3 threads each)."""
-_PG_TIMEOUT = timedelta(seconds=120)
 _STARTUP_TIMEOUT_S = 600.0
 _ERROR_GRACE_S = 5.0
 """After one rank fails, how long the others get to finish before they count as hung."""
 _STACK_WAIT_S = 2.0
-_IN_WORKER_ENV = "PLAIT_TESTING_WORKER"
 _WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 _PRELOAD = (
     "numpy",
@@ -103,7 +94,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
         RankFailure: a rank raised, died, returned something unpicklable or the call timed out;
             the message holds each failing rank's traceback (or Python stack when hung).
     """
-    if os.environ.get(_IN_WORKER_ENV):
+    if os.environ.get(IN_WORKER_ENV):
         raise RuntimeError("run_on_ranks cannot be called from inside a rank; call it from the test itself.")
     if not isinstance(world_size, int) or not 1 <= world_size <= _MAX_WORLD_SIZE:
         raise ValueError(f"world_size must be an int in 1..{_MAX_WORLD_SIZE}, got {world_size!r}.")
@@ -173,7 +164,7 @@ class _Pool:
         self.closed = False
         self.worn_out = False
         """Set when a rank asks for fresh workers (see `_Worker.call`); the pool is then discarded."""
-        self.store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False, timeout=_PG_TIMEOUT)
+        self.store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=PG_TIMEOUT)
         self.tmpdir = tempfile.mkdtemp(prefix=f"plait-ranks{world_size}-")
         self.stack_files = [os.path.join(self.tmpdir, f"rank{r}.stack") for r in range(world_size)]
         self.procs: list[mp.process.BaseProcess] = []
@@ -200,7 +191,7 @@ class _Pool:
                 self.stack_files[rank],
                 list(sys.path),
             )
-            proc = ctx.Process(target=_worker_main, args=args, name=f"plait-rank{rank}-of-{self.world_size}")
+            proc = ctx.Process(target=worker_main, args=args, name=f"plait-rank{rank}-of-{self.world_size}")
             with _worker_environment():
                 proc.start()
             child_conn.close()
@@ -319,86 +310,3 @@ def _file_size(path: str) -> int:
         return os.path.getsize(path)
     except OSError:
         return 0
-
-
-def _merge_sys_path(paths: list[str]) -> None:
-    for path in reversed(paths):
-        if path not in sys.path:
-            sys.path.insert(0, path)
-
-
-def _worker_main(
-    rank: int, world_size: int, port: int, conn: Connection, stack_file: str, paths: list[str]
-) -> None:
-    """Entry point of one worker: join the process group, then serve calls until told to stop."""
-    os.environ[_IN_WORKER_ENV] = "1"
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the test process's business
-    stack_out = open(stack_file, "w")  # noqa: SIM115 - must stay open for the process lifetime
-    faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=True)
-    _merge_sys_path(paths)
-    torch.set_num_threads(1)
-    try:
-        worker = _Worker(rank, world_size, port)
-    except BaseException:
-        conn.send(("err", traceback.format_exc(), True))
-        os._exit(1)
-    conn.send(("ok", b"", False))
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            break
-        if message[0] == "stop":
-            break
-        _, paths, payload = message
-        conn.send(worker.call(paths, payload))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown: the gloo group needs no goodbye
-
-
-class _Worker:
-    """One rank's state: the store client and the default group this worker created."""
-
-    def __init__(self, rank: int, world_size: int, port: int) -> None:
-        self.rank = rank
-        self.world_size = world_size
-        self.store = dist.TCPStore(_HOST, port, is_master=False, timeout=_PG_TIMEOUT)
-        self.group: dist.ProcessGroup | None = None
-        self._init_group()
-
-    def _init_group(self) -> None:
-        dist.init_process_group(
-            "gloo",
-            store=dist.PrefixStore("plait/pg", self.store),
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=_PG_TIMEOUT,
-        )
-        self.group = dist.group.WORLD
-
-    def call(self, paths: list[str], payload: bytes) -> tuple[str, Any, bool]:
-        """Run one payload; the flag asks the test process to retire this pool after the call."""
-        _merge_sys_path(paths)
-        try:
-            fn, args = pickle.loads(payload)
-            # Each call sees DTensor's sharding cache empty, as a fresh process would.
-            _clear_sharding_prop_cache()
-            torch.manual_seed(0)
-            random.seed(0)
-            np.random.seed(0)
-            torch.set_default_dtype(torch.float32)
-            torch.set_grad_enabled(True)
-            result = fn(*args)
-        except BaseException:
-            return "err", traceback.format_exc(), True
-        try:
-            return "ok", pickle.dumps(result), self._worn_out()
-        except Exception:
-            return "err", f"the return value cannot be pickled:\n{traceback.format_exc()}", True
-
-    def _worn_out(self) -> bool:
-        """Whether the call destroyed the default group or the live groups passed the limit."""
-        if not (dist.is_initialized() and dist.group.WORLD is self.group):
-            return True
-        return len(dist.distributed_c10d._world.pg_map) - 1 > _MAX_SUBGROUPS
