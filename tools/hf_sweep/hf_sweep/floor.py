@@ -27,7 +27,7 @@ from torch import nn
 
 from hf_sweep.configs import VOCAB
 from hf_sweep.family import CASES
-from hf_sweep.rank import LR, ROWS, SEQ, _build, _loss, _relative
+from hf_sweep.rank import LR, ROWS, SEQ, build_model, lm_loss, relative_diff
 
 __all__ = ["run_floor", "sweep_floor"]
 
@@ -57,7 +57,7 @@ def run_floor(model_type: str, tp: int, sp: bool) -> dict[str, Any]:
 
     world, rank = dist.get_world_size(), dist.get_rank()
     dp, dp_rank = world // tp, rank // tp
-    ref = _build(model_type, tp, torch.float32)
+    ref = build_model(model_type, tp, torch.float32)
     wide, micro = _float64_copy(ref), copy.deepcopy(ref)
     ctx = MeshContext.build(FSDP2Config(mp_policy=None, sequence_parallel=sp), ParallelismSizes(tp_size=tp))
     par = parallelize_model(copy.deepcopy(ref), ctx)
@@ -69,16 +69,16 @@ def run_floor(model_type: str, tp: int, sp: bool) -> dict[str, Any]:
         ids = torch.randint(
             3, VOCAB, (dp * ROWS, SEQ + 1), generator=torch.Generator().manual_seed(100 + step)
         )
-        _loss(ref, ids)
-        _loss(wide, ids)
+        lm_loss(ref, ids)
+        lm_loss(wide, ids)
         _micro_step(micro, ids)
-        _loss(par, ids[dp_rank * ROWS : (dp_rank + 1) * ROWS])
+        lm_loss(par, ids[dp_rank * ROWS : (dp_rank + 1) * ROWS])
         if step == 0:
-            out["grad"] = {name: _relative(a, b, grads=True) for name, (a, b) in pairs.items()}
+            out["grad"] = {name: relative_diff(a, b, grads=True) for name, (a, b) in pairs.items()}
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    out["param"] = {name: _relative(a, b, grads=False) for name, (a, b) in pairs.items()}
+    out["param"] = {name: relative_diff(a, b, grads=False) for name, (a, b) in pairs.items()}
     return out
 
 

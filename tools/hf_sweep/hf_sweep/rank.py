@@ -22,7 +22,7 @@ LR = 0.5
 TOLERANCE = 1e-5
 
 
-def _build(model_type: str, tp: int, dtype: torch.dtype) -> nn.Module:
+def build_model(model_type: str, tp: int, dtype: torch.dtype) -> nn.Module:
     import transformers
 
     config = tiny_config(model_type, tp)
@@ -37,7 +37,7 @@ def _build(model_type: str, tp: int, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     logits = model(input_ids=ids[:, :-1]).logits
     sharded = isinstance(logits, DTensor)
     with loss_parallel() if sharded else nullcontext():
@@ -52,7 +52,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
 
 
-def _relative(ref: nn.Module, par: nn.Module, grads: bool) -> tuple[float, str]:
+def relative_diff(ref: nn.Module, par: nn.Module, grads: bool) -> tuple[float, str]:
     """Largest per-parameter ``max|x - x_ref| / max|x_ref|`` (a collective: same order on every rank)."""
     par_params = {name.replace("_checkpoint_wrapped_module.", ""): p for name, p in par.named_parameters()}
     worst, worst_name = 0.0, ""
@@ -90,7 +90,7 @@ def run_case(model_type: str, tp: int, sp: bool, dtype: str = "float32") -> dict
     world, rank = dist.get_world_size(), dist.get_rank()
     dp, dp_rank = world // tp, rank // tp
     try:
-        ref = _build(model_type, tp, getattr(torch, dtype))
+        ref = build_model(model_type, tp, getattr(torch, dtype))
     except Exception as exc:  # the tiny config does not build: needs an override, not a plait result
         return {"status": "config", "message": f"{type(exc).__name__}: {exc}"[:400]}
     try:
@@ -119,18 +119,18 @@ def _compare(ref: nn.Module, par: nn.Module, dp: int, dp_rank: int, world: int) 
             3, VOCAB, (dp * ROWS, SEQ + 1), generator=torch.Generator().manual_seed(100 + step)
         )
         try:
-            ref_loss = _loss(ref, ids)
+            ref_loss = lm_loss(ref, ids)
         except Exception as exc:  # the unsharded tiny model itself fails: a config problem
             return {"status": "config", "message": f"reference: {type(exc).__name__}: {exc}"[:400]}
-        par_loss = _loss(par, ids[dp_rank * ROWS : (dp_rank + 1) * ROWS])
+        par_loss = lm_loss(par, ids[dp_rank * ROWS : (dp_rank + 1) * ROWS])
         if step == 0:
             dist.all_reduce(par_loss)
             out["loss_diff"] = abs(ref_loss.item() - par_loss.item() / world)
-            out["grad_diff"], out["worst_grad"] = _relative(ref, par, grads=True)
+            out["grad_diff"], out["worst_grad"] = relative_diff(ref, par, grads=True)
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    out["param_diff"], out["worst_param"] = _relative(ref, par, grads=False)
+    out["param_diff"], out["worst_param"] = relative_diff(ref, par, grads=False)
     ok = max(out["loss_diff"], out["grad_diff"], out["param_diff"]) <= TOLERANCE
     out["status"] = "pass" if ok else "mismatch"
     return out
