@@ -55,11 +55,11 @@ def test_sequence_parallel_without_tp_warns_ignored():
 @pytest.mark.parametrize(
     ("sizes", "pattern"),
     [
-        (ParallelismSizes(tp_size=2), "DDP does not support tp_size 2"),
-        (ParallelismSizes(pp_size=2), "DDP does not support pp_size 2"),
-        (ParallelismSizes(cp_size=2), "DDP does not support cp_size 2"),
-        (ParallelismSizes(ep_size=2), "DDP does not support ep_size 2"),
-        (ParallelismSizes(dp_replicate_size=2), "DDP does not support dp_replicate_size 2"),
+        (ParallelismSizes(tp_size=2), "DDP does not support tp_size=2"),
+        (ParallelismSizes(pp_size=2), "DDP does not support pp_size=2"),
+        (ParallelismSizes(cp_size=2), "DDP does not support cp_size=2"),
+        (ParallelismSizes(ep_size=2), "DDP does not support ep_size=2"),
+        (ParallelismSizes(dp_replicate_size=2), "DDP does not support dp_replicate_size=2"),
     ],
 )
 def test_ddp_unsupported_sizes(sizes, pattern):
@@ -70,9 +70,9 @@ def test_ddp_unsupported_sizes(sizes, pattern):
 @pytest.mark.parametrize(
     ("sizes", "pattern"),
     [
-        (ParallelismSizes(pp_size=2), "Megatron-FSDP does not support pp_size 2"),
-        (ParallelismSizes(ep_size=2), "Megatron-FSDP does not support ep_size 2"),
-        (ParallelismSizes(dp_replicate_size=2), "Megatron-FSDP does not support dp_replicate_size 2"),
+        (ParallelismSizes(pp_size=2), "Megatron-FSDP does not support pp_size=2: its mesh is"),
+        (ParallelismSizes(ep_size=2), "Megatron-FSDP does not support ep_size=2"),
+        (ParallelismSizes(dp_replicate_size=2), "Megatron-FSDP does not support dp_replicate_size=2"),
     ],
 )
 def test_megatron_unsupported_sizes(sizes, pattern):

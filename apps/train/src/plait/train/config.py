@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from plait.mesh import MoEConfig, normalize_strategy_name
-from plait.mesh.parsing import from_dict
+from plait.mesh import from_dict
 
 __all__ = [
     "CheckpointConfig",

@@ -21,6 +21,7 @@ from plait.mesh.context import MeshContext
 from plait.mesh.distributed import DistributedInfo, init_distributed
 from plait.mesh.grad_norm import clip_grad_norm_, global_grad_norm
 from plait.mesh.materialize import FullTensorSource, clean_fqn, init_value, materialize, param_seed
+from plait.mesh.parsing import from_dict
 from plait.mesh.normalize import (
     ActivationCheckpointing,
     FrozenMultimodalSharding,
@@ -57,6 +58,7 @@ __all__ = [
     "describe_config",
     "describe_mesh_context",
     "describe_module",
+    "from_dict",
     "global_grad_norm",
     "init_distributed",
     "init_value",

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from plait.mesh.configs import DDPConfig, FSDP2Config, MegatronFSDPConfig
+from plait.mesh.combinations import check_combination, combination_request
+from plait.mesh.configs import FSDP2Config, MegatronFSDPConfig
 from plait.mesh.consistency import check_ranks_agree, describe_arguments
 from plait.mesh.sizes import ParallelismSizes
 from plait.mesh.strategy import StrategyConfig, strategy_name
@@ -99,13 +100,6 @@ def _default_world_size() -> int:
     return dist.get_world_size()
 
 
-def _unsupported(strategy: str, sizes: ParallelismSizes, names: Sequence[str], fix: str) -> None:
-    for name in names:
-        value = getattr(sizes, name)
-        if value > 1:
-            raise ValueError(f"{strategy} does not support {name} {value}; {fix}")
-
-
 def plan_meshes(
     strategy_config: StrategyConfig,
     sizes: ParallelismSizes | None = None,
@@ -136,20 +130,7 @@ def plan_meshes(
     else:
         world_size = world_size if world_size is not None else _default_world_size()
         rank_list = None
-    if isinstance(strategy_config, DDPConfig):
-        _unsupported(
-            "DDP",
-            sizes,
-            ("tp_size", "pp_size", "cp_size", "ep_size", "dp_replicate_size"),
-            "use FSDP2Config for tensor/pipeline/context/expert parallel or HSDP, or set it to 1",
-        )
-    elif isinstance(strategy_config, MegatronFSDPConfig):
-        _unsupported(
-            "Megatron-FSDP",
-            sizes,
-            ("pp_size", "ep_size", "dp_replicate_size"),
-            "use FSDP2Config for pipeline/expert parallel or HSDP, or set it to 1",
-        )
+    check_combination(combination_request(strategy_config, sizes), layout_only=True)
     resolved = sizes.resolve(world_size, allow_pure_replication=not isinstance(strategy_config, FSDP2Config))
     if rank_list is None:
         rank_list = tuple(range(world_size))

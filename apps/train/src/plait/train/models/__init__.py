@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from plait.mesh.parsing import from_dict
+from plait.mesh import from_dict
 from plait.models import REFERENCE_MODELS, freeze_vision, preset_arch
 from plait.train.config import ModelConfig
 from plait.train.models.hf import build_hf_model, hf_logits
