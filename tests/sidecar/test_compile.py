@@ -1,4 +1,4 @@
-"""`compile_parallelized_model`: per-layer in-place compile after FSDP; same loss, same state-dict keys."""
+"""Per-layer in-place compile, the flow's last step; same loss, same state-dict keys; compile_parallelized_model a no-op after."""
 
 from __future__ import annotations
 
@@ -30,11 +30,12 @@ def _compiled_vs_eager() -> dict:
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(7))
     base = _model()
     ctx = MeshContext.build(FSDP2Config(mp_policy=None, enable_compile=True), activation_checkpointing="full")
-    eager = parallelize_model(copy.deepcopy(base), ctx)
-    compiled = parallelize_model(copy.deepcopy(base), ctx)
+    plain_ctx = MeshContext.build(FSDP2Config(mp_policy=None), activation_checkpointing="full")
+    eager = parallelize_model(copy.deepcopy(base), plain_ctx)
+    compiled = parallelize_model(copy.deepcopy(base), ctx)  # compile is the flow's last step
     keys_before = list(compiled.state_dict().keys())
-    compile_parallelized_model(eager, MeshContext.build(FSDP2Config(mp_policy=None)))  # not requested: no-op
-    compile_parallelized_model(compiled, ctx)
+    compile_parallelized_model(eager, plain_ctx)  # not requested: no-op
+    compile_parallelized_model(compiled, ctx)  # compiled already: no-op
     eager_compiled = sum(getattr(m, "_compiled_call_impl", None) is not None for m in eager.modules())
     compiled_layers = sum(getattr(m, "_compiled_call_impl", None) is not None for m in compiled.modules())
     losses = []

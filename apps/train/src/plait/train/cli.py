@@ -114,7 +114,6 @@ def _inspect(command: str, args: argparse.Namespace) -> int:
 
     from plait.train.config import to_dict
     from plait.train.recipes import load_recipe
-    from plait.train.setup import check_recipe
 
     recipe = load_recipe(args.recipe, args.overrides) if command == "show" else _load(args)
     if command == "show":
@@ -127,8 +126,9 @@ def _inspect(command: str, args: argparse.Namespace) -> int:
         world = args.world_size or recipe.launch.nproc_per_node
         if world < 1:
             raise ValueError(f"--world-size must be >= 1, got {world}")
-        check_recipe(recipe, world)
-        print(f"recipe {recipe.name}: ok on {world} rank(s)")
+        from plait.train.plan import validate
+
+        print(validate(recipe, world))
     return 0
 
 
@@ -187,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
             return _fail(err)
     if not launched:
         return launch_local(
-            args_in, nproc_per_node=recipe.launch.nproc_per_node, max_restarts=recipe.launch.max_restarts
+            main,
+            args_in,
+            nproc_per_node=recipe.launch.nproc_per_node,
+            max_restarts=recipe.launch.max_restarts,
         )
 
     from plait.train.trainer import SetupError, run

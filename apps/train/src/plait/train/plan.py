@@ -1,7 +1,9 @@
-"""``plait-train plan``: a dry run on torch's fake process group — no ranks, no weights.
+"""``plait-train plan`` and ``validate``: a dry run on torch's fake process group — no ranks, no weights.
 
-The model is built on the meta device and parallelized exactly as in training, in one process
-that plays rank 0 of ``world_size`` ranks. The report reads the resulting shard layout: memory
+The model is built on the meta device, planned and parallelized exactly as in training (the same
+`plan_parallelism`, so ``validate`` refuses what a run refuses, with the same line), in one process
+that plays rank 0 of ``world_size`` ranks. ``plan`` prints the plan the flow applied, and reads the
+resulting shard layout: memory
 per rank (parameters, gradients, AdamW state, by dtype; rank 0 holds the largest ``torch.chunk``
 shard, so it is the maximum), the FSDP units, the TP placements, and an estimate of the bytes
 each rank sends per optimizer step. Activations are not included.
@@ -9,8 +11,10 @@ each rank sends per optimizer step. Activations are not included.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -19,8 +23,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from plait.mesh import FSDP2Config, MeshContext
+from plait.mesh import FSDP2Config, MeshContext, StrategyConfig
+from plait.sidecar import ParallelPlan, get_parallel_plan, plan_parallelism
 from plait.train.config import Recipe
+from plait.train.models import build_model
 from plait.train.pipelining import build_pipeline, stages_text
 from plait.train.setup import build_mesh_context, build_parallel_model, check_recipe
 from plait.train.summary import (
@@ -32,7 +38,16 @@ from plait.train.summary import (
     pattern_of,
 )
 
-__all__ = ["CommEstimate", "MAX_WORLD_SIZE", "comm_estimate", "plan"]
+__all__ = [
+    "MAX_WORLD_SIZE",
+    "CommEstimate",
+    "DryRun",
+    "comm_estimate",
+    "dry_run",
+    "fake_group",
+    "plan",
+    "validate",
+]
 
 MAX_WORLD_SIZE = 16_384
 
@@ -213,44 +228,88 @@ def _no_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     raise AssertionError("plan never runs a step")
 
 
+@dataclass
+class DryRun:
+    """What the ranks would build, built on a fake process group with meta tensors (rank 0's part)."""
+
+    ctx: MeshContext
+    model: nn.Module
+    """The parallelized model (DDP: the plain model, which DDP only wraps)."""
+    plans: list[ParallelPlan]
+    """The plans the flow applied: one, or one per local pipeline stage (whole model's first)."""
+    stages: str | None = None
+
+
+@contextlib.contextmanager
+def fake_group(world_size: int) -> Iterator[None]:
+    """Play rank 0 of ``world_size`` ranks on torch's fake process group (no ranks, no traffic)."""
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"--world-size must be in [1, {MAX_WORLD_SIZE}], got {world_size}")
+    if dist.is_initialized():
+        raise ValueError(
+            "plan and validate need their own fake process group; run them outside a distributed job"
+        )
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def dry_run(recipe: Recipe, config: StrategyConfig, world_size: int) -> DryRun:
+    """Plan and parallelize the recipe's model as rank 0 would (inside :func:`fake_group`).
+
+    Every refusal of a real run is raised here with the same message: the same functions decide.
+    """
+    ctx = build_mesh_context(recipe, config, world_size=world_size)
+    if recipe.parallel.strategy == "ddp":  # DDP wraps real weights: plan only
+        model = build_model(recipe.model, "meta")
+        return DryRun(ctx, model, [plan_parallelism(model, ctx)])
+    if recipe.parallel.pp_size > 1:
+        model = build_model(recipe.model, "meta")
+        whole = plan_parallelism(model, ctx)
+        pipe = build_pipeline(recipe, ctx, torch.device("meta"), _no_loss, materialise=False)
+        plans = [whole, *(get_parallel_plan(m) for m in pipe.modules)]
+        return DryRun(ctx, pipe.state_module(), plans, stages_text(recipe, pipe, ctx))
+    model = build_parallel_model(recipe, ctx, torch.device("meta"), materialise=False)
+    return DryRun(ctx, model, [get_parallel_plan(model)])
+
+
+def validate(recipe: Recipe, world_size: int) -> str:
+    """Run every check of a real run on ``world_size`` ranks without starting any; return the ok line.
+
+    Raises:
+        ValueError / TypeError / UserError: the line the run would fail with.
+    """
+    config = check_recipe(recipe, world_size)
+    with fake_group(world_size):
+        dry_run(recipe, config, world_size)
+    return f"recipe {recipe.name}: ok on {world_size} rank(s)"
+
+
 def plan(recipe: Recipe, world_size: int) -> str:
     """Parallelize the recipe's model on a fake ``world_size``-rank group and report its layout.
 
     Raises:
         ValueError: ``world_size`` out of range, a process group already running, or a bad recipe.
     """
-    if not 1 <= world_size <= MAX_WORLD_SIZE:
-        raise ValueError(f"--world-size must be in [1, {MAX_WORLD_SIZE}], got {world_size}")
-    if dist.is_initialized():
-        raise ValueError("plan needs its own fake process group; run it outside a distributed job")
     config = check_recipe(recipe, world_size, devices=False)
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     start = time.perf_counter()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
-        ctx = build_mesh_context(recipe, config, world_size=world_size)
-        stages = None
-        if recipe.parallel.strategy == "ddp":
-            from plait.train.models import build_model
-
-            model = build_model(recipe.model, "meta")
-        elif recipe.parallel.pp_size > 1:  # rank 0's stages in detail, every stage in the table
-            pipe = build_pipeline(recipe, ctx, torch.device("meta"), _no_loss, materialise=False)
-            model, stages = pipe.state_module(), stages_text(recipe, pipe, ctx)
-        else:
-            model = build_parallel_model(recipe, ctx, torch.device("meta"), materialise=False)
+    with fake_group(world_size):
+        run = dry_run(recipe, config, world_size)
+        model, ctx = run.model, run.ctx
         report = [
             f"plan: recipe {recipe.name} on {world_size} ranks (fake process group, meta tensors)",
             describe_mesh(ctx, world_size),
             f"model {model_class_name(model)} ({recipe.model.source}, preset {recipe.model.preset})",
+            *(p.text() for p in run.plans[-1:] if p is not None),
             layout_of(model).text(),
-            *([stages] if stages else []),
+            *([run.stages] if run.stages else []),
             _memory_text(model),
             *([_cp_text(model, ctx, recipe)] if ctx.cp_size > 1 else []),
             comm_estimate(model, ctx, recipe, world_size).text(),
             f"planned in {time.perf_counter() - start:.1f} s",
         ]
-    finally:
-        dist.destroy_process_group()
     return "\n".join(report)

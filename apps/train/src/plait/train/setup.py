@@ -19,7 +19,7 @@ from plait.mesh import (
     plan_meshes,
     strategy_config_from_dict,
 )
-from plait.sidecar import compile_parallelized_model, parallelize_model
+from plait.sidecar import parallelize_model
 from plait.train.checks import check_data, check_devices, check_vocabulary
 from plait.train.config import Recipe
 from plait.train.errors import phase
@@ -128,7 +128,7 @@ def build_mesh_context(
 def build_parallel_model(
     recipe: Recipe, ctx: MeshContext, device: torch.device, *, materialise: bool = True
 ) -> nn.Module:
-    """Build the model (meta or CPU), parallelize it, and fill the weights.
+    """Build the model (meta or CPU), parallelize it (its plan compiles the layers when asked), fill the weights.
 
     With ``model.meta_init`` (and not DDP, which broadcasts real weights when it wraps) the model
     is built on the meta device and only the local shards are allocated after parallelization.
@@ -147,6 +147,4 @@ def build_parallel_model(
     if cfg.pretrained_path and materialise:
         with phase(f"model.pretrained_path {cfg.pretrained_path!r}"):
             load_pretrained(model, cfg.pretrained_path)  # each rank reads only its slices
-    if recipe.parallel.compile:
-        compile_parallelized_model(model, ctx)  # compiles the layers in place, returns None
     return model

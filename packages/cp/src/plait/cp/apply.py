@@ -21,31 +21,24 @@ from torch import nn
 from plait.cp.attention import ContextParallelAttention
 from plait.cp.hf import attach_hf, hf_module_refusal, hf_refusal, is_hf_model
 from plait.cp.layout import cp_mesh, global_positions
-from plait.mesh import FSDP2Config
 
 if TYPE_CHECKING:
     from plait.mesh import MeshContext
 
-__all__ = ["apply_context_parallel", "check_context_parallel_support"]
+__all__ = ["apply_context_parallel", "check_context_parallel_model"]
 
 _FORWARD_ONLY_KWARGS = ("labels", "use_cache", "past_key_values", "cache")
 _MEDIA_TOWERS = ("visual", "vision_tower", "vision_model", "audio_tower")
 """Child names of multimodal encoders: their tokens are not sequence-sharded, so their attention must stay."""
 
 
-def check_context_parallel_support(mesh_context: MeshContext) -> None:
-    """Refuse (ValueError) cp > 1 with anything the cp step does not build: call before any collective."""
-    cp = mesh_context.cp_size
-    if cp == 1:
-        return
-    config = mesh_context.strategy_config
-    if not isinstance(config, FSDP2Config):
-        raise ValueError(
-            f"cp_size={cp} is built for FSDP2 only, got {type(config).__name__}; use FSDP2Config or cp_size 1"
-        )
-    for what, size in (("ep_size", mesh_context.ep_size), ("pp_size", mesh_context.pp_size)):
-        if size > 1:
-            raise ValueError(f"cp_size={cp} with {what}={size} is not built yet; set one of them to 1")
+def check_context_parallel_model(model: nn.Module) -> None:
+    """Refuse (ValueError) a model with an attention the cp step cannot swap; changes nothing.
+
+    The combinations cp does not build with (strategies, other axes, multimodal models) are refused
+    by the combination table in plait.mesh; this checks the model's own attention modules.
+    """
+    _find_attention(model)
 
 
 def apply_context_parallel(model: nn.Module, mesh_context: MeshContext) -> nn.Module:
@@ -56,10 +49,9 @@ def apply_context_parallel(model: nn.Module, mesh_context: MeshContext) -> nn.Mo
     model would shift them across chunk boundaries) or a KV cache is refused before it runs.
 
     Raises:
-        ValueError: naming the module and the reason, for an attention this step cannot handle, or
-            for a combination `check_context_parallel_support` refuses; nothing is changed then.
+        ValueError: naming the module and the reason, for an attention this step cannot handle;
+            nothing is changed then.
     """
-    check_context_parallel_support(mesh_context)
     mesh = cp_mesh(mesh_context)
     if mesh is None:
         return model

@@ -2,6 +2,16 @@
 
 from plait.mesh.axes import MeshAxisName, validate_axis_names
 from plait.mesh.build import build_device_mesh, build_moe_mesh, default_device_type, plan_meshes
+from plait.mesh.combinations import (
+    COMBINATION_RULES,
+    CombinationRequest,
+    CombinationRule,
+    check_combination,
+    combination_request,
+    context_request,
+    refusal_of,
+    table_pairs,
+)
 from plait.mesh.configs import (
     CP_ATTENTION_VARIANTS,
     DDPConfig,
@@ -21,7 +31,6 @@ from plait.mesh.context import MeshContext
 from plait.mesh.distributed import DistributedInfo, init_distributed
 from plait.mesh.grad_norm import clip_grad_norm_, global_grad_norm
 from plait.mesh.materialize import FullTensorSource, clean_fqn, init_value, materialize, param_seed
-from plait.mesh.parsing import from_dict
 from plait.mesh.normalize import (
     ActivationCheckpointing,
     FrozenMultimodalSharding,
@@ -30,10 +39,19 @@ from plait.mesh.normalize import (
     normalize_frozen_multimodal_sharding,
     normalize_strategy_name,
 )
+from plait.mesh.parsing import from_dict
 from plait.mesh.sizes import ParallelismSizes
 from plait.mesh.strategy import StrategyConfig, strategy_config_from_dict, strategy_name
 
 __all__ = [
+    "COMBINATION_RULES",
+    "CombinationRequest",
+    "CombinationRule",
+    "check_combination",
+    "combination_request",
+    "context_request",
+    "refusal_of",
+    "table_pairs",
     "CP_ATTENTION_VARIANTS",
     "ActivationCheckpointing",
     "DDPConfig",

@@ -13,10 +13,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import combinations
+from typing import TYPE_CHECKING
 
 from plait.mesh.configs import FSDP2Config
 from plait.mesh.sizes import ParallelismSizes
 from plait.mesh.strategy import StrategyConfig, strategy_name
+
+if TYPE_CHECKING:
+    from plait.mesh.context import MeshContext
 
 __all__ = [
     "AXES",
@@ -28,6 +32,7 @@ __all__ = [
     "CombinationRule",
     "check_combination",
     "combination_request",
+    "context_request",
     "refusal_of",
     "table_pairs",
 ]
@@ -167,6 +172,24 @@ def combination_request(
     for feature in features:
         values[feature] = {"moe": "an MoE model", "multimodal": "a multimodal model"}.get(feature, feature)
     return CombinationRequest(frozenset(values), values)
+
+
+def context_request(mesh_context: MeshContext, *, features: Iterable[str] = ()) -> CombinationRequest:
+    """The request a built `MeshContext` makes (its meshes, configs and AC mode), with model features."""
+    sizes = ParallelismSizes(
+        dp_size=mesh_context.dp_size,
+        dp_replicate_size=mesh_context.dp_replicate_size or 1,
+        tp_size=mesh_context.tp_size,
+        pp_size=mesh_context.pp_size,
+        cp_size=mesh_context.cp_size,
+        ep_size=mesh_context.ep_size,
+    )
+    return combination_request(
+        mesh_context.strategy_config,
+        sizes,
+        activation_checkpointing=mesh_context.activation_checkpointing,
+        features=features,
+    )
 
 
 def refusal_of(request: CombinationRequest, *, layout_only: bool = False) -> str | None:

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
-from plait.mesh import FSDP2Config, MeshContext, clip_grad_norm_
+from plait.mesh import MeshContext, clip_grad_norm_
 from plait.pipeline.config import PipelineConfig
 from plait.pipeline.schedules import SCHEDULES, build_schedule, local_stage_indices
 from plait.pipeline.split import (
@@ -23,8 +23,8 @@ from plait.pipeline.split import (
     find_decoder_parts,
     plan_stages,
 )
-from plait.pipeline.stage_context import check_context, plan_for_stage, stage_context, stage_tp_plan
-from plait.sidecar import compile_parallelized_model, get_model_parallelizer, parallelize_model
+from plait.pipeline.stage_context import check_context, stage_context
+from plait.sidecar import ParallelPlan, get_model_parallelizer, parallelize_model, plan_parallelism
 
 __all__ = ["Pipeline", "pipeline_model"]
 
@@ -229,11 +229,12 @@ def pipeline_model(
         config: Schedule and split options; default ``PipelineConfig()`` (1F1B, one stage per rank).
     """
     config = config if config is not None else PipelineConfig()
-    fsdp_config = check_context(mesh_context)
+    check_context(mesh_context)
     assert mesh_context.device_mesh is not None
     pp_size = mesh_context.pp_size
     config.check_for(pp_size)
     sidecar = get_model_parallelizer(model)
+    whole = plan_parallelism(model, mesh_context, sidecar)  # refusals and the TP plan, once
     parts = find_decoder_parts(model, sidecar.layer_group_paths)
     check_untied_across_stages(model, parts)
     num_stages = pp_size * config.local_stages
@@ -241,14 +242,9 @@ def pipeline_model(
     pp_mesh = mesh_context.device_mesh["pp"]
     indices = local_stage_indices(config.schedule, pp_mesh.get_local_rank(), pp_size, config.local_stages)
     device = _device_of(mesh_context.device_mesh)
-    tp_size = mesh_context.tp_size
     built = [build_stage_module(model, parts, specs[index], num_stages) for index in indices]
-    plans = [
-        plan_for_stage(stage_tp_plan(model, sidecar, fsdp_config, tp_size), stage) if tp_size > 1 else None
-        for stage in built
-    ]
     forward_kwargs = _stage_forward_kwargs(model)
-    modules = _parallelize_stages(built, plans, mesh_context, fsdp_config, pp_mesh)  # first collective
+    modules = _parallelize_stages(built, whole, mesh_context, pp_mesh)  # first collective
     stages = [
         PipelineStage(module, index, num_stages, device, group=pp_mesh.get_group())
         for module, index in zip(modules, indices, strict=True)
@@ -261,25 +257,21 @@ def pipeline_model(
 
 
 def _parallelize_stages(
-    built: list[nn.Module],
-    plans: list[dict[str, object] | None],
-    mesh_context: MeshContext,
-    fsdp_config: FSDP2Config,
-    pp_mesh: DeviceMesh,
+    built: list[nn.Module], whole: ParallelPlan, mesh_context: MeshContext, pp_mesh: DeviceMesh
 ) -> list[nn.Module]:
-    """Run the sidecar flow on each local stage; an error on any stage is raised on every rank.
+    """Plan and run the sidecar flow on each local stage; an error on any stage is raised on every rank.
 
+    Each stage's plan is made from the whole model's (its TP entries, no resharding after forward).
     Stages differ per pp rank, so one stage can fail where another succeeds: the ranks agree over
     the pp group before any rank enters the schedule's collectives, instead of leaving peers hanging.
     """
     modules: list[nn.Module] = []
     error: BaseException | None = None
     try:
-        for stage, plan in zip(built, plans, strict=True):
-            ctx = stage_context(mesh_context, fsdp_config, plan)
-            module = parallelize_model(stage, ctx)
-            compile_parallelized_model(module, ctx)
-            modules.append(module)
+        ctx = stage_context(mesh_context)
+        for stage in built:
+            plan = plan_parallelism(stage, ctx, get_model_parallelizer(stage), stage_of=whole)
+            modules.append(parallelize_model(stage, ctx, plan=plan))
     except Exception as exc:
         error = exc
     ok = torch.tensor([0 if error else 1], dtype=torch.int32, device=_device_of(pp_mesh))

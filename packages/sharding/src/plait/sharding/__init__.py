@@ -5,6 +5,7 @@ from plait.sharding.checkpointing import SUBMODULE_ROLES, apply_activation_check
 from plait.sharding.embeddings import (
     fully_shard_untied_embeddings,
     guard_tied_embeddings,
+    plan_untied_embedding_units,
     tied_parameter_groups,
 )
 from plait.sharding.layer_groups import LayerGroup, classify_path, discover_layer_groups
@@ -16,10 +17,15 @@ from plait.sharding.multimodal import (
     frozen_multimodal_ignored_params,
 )
 from plait.sharding.prefetch import wire_fsdp_prefetch
-from plait.sharding.selective import selective_context_fn, selective_policy
-from plait.sharding.units import apply_fsdp_sharding, fully_shard_root, select_fsdp_units
+from plait.sharding.unit_policy import FSDPUnit, UnitRole, unit_reshard_after_forward
+from plait.sharding.units import apply_fsdp_sharding, fully_shard_root, plan_layer_units, select_fsdp_units
 
 __all__ = [
+    "FSDPUnit",
+    "UnitRole",
+    "plan_layer_units",
+    "plan_untied_embedding_units",
+    "unit_reshard_after_forward",
     "PROJECTOR_NAMES",
     "SUBMODULE_ROLES",
     "TOWER_NAMES",
@@ -36,8 +42,6 @@ __all__ = [
     "fully_shard_untied_embeddings",
     "guard_tied_embeddings",
     "select_fsdp_units",
-    "selective_context_fn",
-    "selective_policy",
     "tied_parameter_groups",
     "wire_fsdp_prefetch",
 ]

@@ -15,9 +15,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 
 from plait.mesh import normalize_ac_scope
 from plait.sharding.layer_groups import LayerGroup
-from plait.sharding.selective import save_only_context_fn, selective_context_fn
+from plait.sharding.selective import ForwardDepth, policy_context_fn
 
 CheckpointMode = Literal["full", "selective"]
+ContextFor = Callable[[nn.Module], Callable[[], Any] | None]
+"""The checkpoint ``context_fn`` for a module about to be wrapped (None: plain full recompute)."""
 
 SUBMODULE_ROLES: tuple[tuple[str, ...], ...] = (
     ("mlp", "feed_forward", "ffn"),
@@ -51,7 +53,7 @@ def _replace_layer(container: nn.Module, layer: nn.Module, wrapped: nn.Module) -
     raise AssertionError(f"layer {type(layer).__name__} is not a child of its group's container")
 
 
-def _checkpoint_submodules(layer: nn.Module, context_fn: Callable[[], Any] | None) -> int | None:
+def _checkpoint_submodules(layer: nn.Module, context_for: ContextFor) -> int | None:
     """Wrap each role's first existing child; None when the layer has no known role at all."""
     count, found = 0, False
     for role in SUBMODULE_ROLES:
@@ -61,7 +63,7 @@ def _checkpoint_submodules(layer: nn.Module, context_fn: Callable[[], Any] | Non
         found = True
         child = getattr(layer, name)
         if not isinstance(child, CheckpointWrapper):
-            setattr(layer, name, _wrap(child, context_fn))
+            setattr(layer, name, _wrap(child, context_for(child)))
             count += 1
     return count if found else None
 
@@ -81,7 +83,7 @@ def apply_activation_checkpointing(
     mode: CheckpointMode | bool = "full",
     scope: str | Iterable[str] = ("all",),
     whole_layer: bool = False,
-    save_ops: Iterable[Any] | None = None,
+    save_inside: Sequence[nn.Module] = (),
 ) -> int:
     """Checkpoint the trainable layers of the groups ``scope`` selects; apply after TP, before FSDP.
 
@@ -96,8 +98,9 @@ def apply_activation_checkpointing(
         mode: ``full`` (or True) or ``selective``.
         scope: ``all``, ``language``, ``vision``, ``audio``, ``multimodal`` (vision + audio), or several.
         whole_layer: Full mode only: wrap layers whole instead of per submodule.
-        save_ops: Ops whose outputs are always saved (e.g. a MoE router's top-k, so routing cannot
-            change on recompute).
+        save_inside: Modules whose ops are all saved, never recomputed (e.g. MoE routers, so routing
+            cannot change on recompute). In full mode the wrapped modules holding one of them run
+            under the op-level policy too; the rest of their ops are recomputed.
 
     Returns:
         The number of modules newly wrapped.
@@ -105,9 +108,10 @@ def apply_activation_checkpointing(
     Raises:
         ValueError: for an unknown mode or scope.
     """
-    context_fn = _context_fn(mode, save_ops)
+    selective = _is_selective(mode)
     kinds = frozenset().union(*(_SCOPE_KINDS[name] for name in normalize_ac_scope(scope)))
-    per_submodule = mode in ("full", True) and not whole_layer
+    context_for = _context_for(selective, save_inside)
+    per_submodule = not selective and not whole_layer
     count, selected = 0, 0
     for group in (g for g in groups if g.kind in kinds):
         container = model.get_submodule(group.path)
@@ -116,7 +120,7 @@ def apply_activation_checkpointing(
                 continue
             selected += 1
             if not isinstance(layer, CheckpointWrapper):
-                count += _checkpoint_layer(container, group, index, context_fn, per_submodule)
+                count += _checkpoint_layer(container, group, index, context_for, per_submodule)
     if not selected:
         warnings.warn(
             f"Activation checkpointing scope {scope!r} selects no trainable layer among groups "
@@ -129,30 +133,44 @@ def apply_activation_checkpointing(
     return count
 
 
-def _context_fn(mode: CheckpointMode | bool, save_ops: Iterable[Any] | None) -> Callable[[], Any] | None:
-    """The checkpoint ``context_fn`` of ``mode`` (None: plain full recompute)."""
+def _is_selective(mode: CheckpointMode | bool) -> bool:
+    """Whether ``mode`` is ``selective`` (``full`` and True are not).
+
+    Raises:
+        ValueError: for any other mode.
+    """
     if mode is True:
         mode = "full"
     if mode not in ("full", "selective"):
         raise ValueError(f"Activation checkpointing mode must be 'full' or 'selective', got {mode!r}.")
-    if mode == "selective":
-        return selective_context_fn(save_ops)
-    return save_only_context_fn(save_ops) if save_ops else None
+    return mode == "selective"
+
+
+def _context_for(selective: bool, save_inside: Sequence[nn.Module]) -> ContextFor:
+    """Build the one policy's ``context_fn`` and say which modules get it (all of them when selective)."""
+    if not selective and not save_inside:
+        return lambda module: None
+    depth = ForwardDepth(save_inside) if save_inside else None
+    context_fn = policy_context_fn(selective=selective, save_inside=depth)
+    if selective:
+        return lambda module: context_fn
+    ids = {id(m) for m in save_inside}
+    return lambda module: context_fn if any(id(m) in ids for m in module.modules()) else None
 
 
 def _checkpoint_layer(
     container: nn.Module,
     group: LayerGroup,
     index: int,
-    context_fn: Callable[[], Any] | None,
+    context_for: ContextFor,
     per_submodule: bool,
 ) -> int:
     """Wrap ``group.layers[index]`` (per submodule when asked and possible, else whole); the count wrapped."""
     layer = group.layers[index]
     if per_submodule:
-        wrapped_children = _checkpoint_submodules(layer, context_fn)
+        wrapped_children = _checkpoint_submodules(layer, context_for)
         if wrapped_children is not None:
             return wrapped_children
-    group.layers[index] = _wrap(layer, context_fn)
+    group.layers[index] = _wrap(layer, context_for(layer))
     _replace_layer(container, layer, group.layers[index])
     return 1

@@ -11,6 +11,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 
 from plait.sharding._walk import join_fqn, owning_prefix, walk_unit_candidates
 from plait.sharding.layer_groups import LayerGroup, discover_layer_groups
+from plait.sharding.unit_policy import FSDPUnit
 
 
 def tied_parameter_groups(model: nn.Module) -> list[list[str]]:
@@ -73,23 +74,22 @@ def _embedding(model: nn.Module, getter: str) -> nn.Module | None:
     return module if isinstance(module, nn.Module) else None
 
 
-def _inside_fsdp_unit(model: nn.Module, target: nn.Module) -> bool:
-    """Whether ``target`` is, or lies inside, an FSDP unit below ``model``."""
-    units = [fqn for fqn, m in model.named_modules() if fqn and isinstance(m, FSDPModule)]
-    target_fqns = [fqn for fqn, m in model.named_modules(remove_duplicate=False) if m is target]
-    return any(owning_prefix(fqn, units) for fqn in target_fqns)
+def _fqn_of(model: nn.Module, target: nn.Module) -> list[str]:
+    return [fqn for fqn, m in model.named_modules(remove_duplicate=False) if m is target]
 
 
-def _unit_numel(unit: nn.Module) -> int:
-    """Trainable elements an FSDP unit reduce-scatters (its own parameters, not nested units')."""
-    nested = [m for m in unit.modules() if m is not unit and isinstance(m, FSDPModule)]
-    inner = {id(p) for m in nested for p in m.parameters()}
-    return sum(p.numel() for p in unit.parameters() if p.requires_grad and id(p) not in inner)
+def _in_unit(fqns: Sequence[str], units: list[str]) -> bool:
+    """Whether any of ``fqns`` is, or lies inside, one of ``units``."""
+    return any(owning_prefix(fqn, units) for fqn in fqns)
 
 
-def _largest_unit_numel(model: nn.Module) -> int:
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    return max((_unit_numel(unit) for unit in units), default=0)
+def _unit_numel(model: nn.Module, unit: str, units: list[str]) -> int:
+    """Trainable elements a unit reduce-scatters (its own parameters, not nested units')."""
+    return sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if p.requires_grad and owning_prefix(name, units) == unit
+    )
 
 
 def _needs_weight_in_backward(model: nn.Module, table: nn.Module) -> bool:
@@ -122,8 +122,9 @@ def fully_shard_untied_embeddings(
 ) -> list[nn.Module]:
     """Give distinct, trainable input and output embedding tables their own FSDP units.
 
-    When and why (the size rule, the head's companions, no unshard in backward) is in
-    docs/behavior.md, "Untied embeddings".
+    The units are :func:`plan_untied_embedding_units` of the units already wrapped. When and why
+    (the size rule, the head's companions, no unshard in backward) is in docs/behavior.md,
+    "Untied embeddings".
 
     Args:
         model: Model with ``get_input_embeddings()`` / ``get_output_embeddings()`` (missing = None).
@@ -137,49 +138,78 @@ def fully_shard_untied_embeddings(
     Returns:
         The newly wrapped tables, input first.
     """
-    inp, out = _embedding(model, "get_input_embeddings"), _embedding(model, "get_output_embeddings")
-    candidates = _tables_to_split(model, inp, out, input_reshard_after_forward)
-    for table, reshard in candidates:
-        companions = _head_companions(model, layer_groups, inp, out) if table is out else []
+    wrapped = [fqn for fqn, m in model.named_modules() if fqn and isinstance(m, FSDPModule)]
+    planned = plan_untied_embedding_units(
+        model, wrapped, input_reshard_after_forward=input_reshard_after_forward, layer_groups=layer_groups
+    )
+    tables = []
+    for unit in planned:
+        modules = [model.get_submodule(fqn) for fqn in unit.modules]
         shard_fn(
-            [table, *companions] if companions else table,
+            modules if len(modules) > 1 else modules[0],
             mesh=mesh,
-            reshard_after_forward=reshard,
+            reshard_after_forward=unit.reshard_after_forward,
             mp_policy=mp_policy or MixedPrecisionPolicy(),
             offload_policy=offload_policy or OffloadPolicy(),
         )
-        if reshard and isinstance(table, FSDPModule) and not _needs_weight_in_backward(model, table):
+        table = modules[0]
+        if (
+            unit.reshard_after_forward
+            and isinstance(table, FSDPModule)
+            and not _needs_weight_in_backward(model, table)
+        ):
             table.set_unshard_in_backward(False)
-    return [table for table, _ in candidates]
+        tables.append(table)
+    return tables
 
 
-def _tables_to_split(
-    model: nn.Module, inp: nn.Module | None, out: nn.Module | None, input_reshard: bool
-) -> list[tuple[nn.Module, bool]]:
-    """``(table, reshard_after_forward)`` for each table that gets its own unit; none when tied or small."""
+def plan_untied_embedding_units(
+    model: nn.Module,
+    units: list[str],
+    *,
+    input_reshard_after_forward: bool,
+    layer_groups: Sequence[LayerGroup] | None = None,
+) -> list[FSDPUnit]:
+    """The units :func:`fully_shard_untied_embeddings` adds after the units ``units`` (FQNs), input first.
+
+    None when the tables are tied, frozen, inside a unit, or together no larger than the largest unit.
+    """
+    inp, out = _embedding(model, "get_input_embeddings"), _embedding(model, "get_output_embeddings")
     if inp is None or out is None or inp is out:
         return []
     if {id(p) for p in inp.parameters()} & {id(p) for p in out.parameters()}:
         return []
     candidates = [
-        (table, reshard)
-        for table, reshard in ((inp, input_reshard), (out, False))
-        if _is_free_trainable_table(model, table)
+        (table, role)
+        for table, role in ((inp, "input_embedding"), (out, "output_embedding"))
+        if _is_free_trainable_table(model, table, units)
     ]
     tables_numel = sum(p.numel() for table, _ in candidates for p in table.parameters())
-    return candidates if tables_numel > _largest_unit_numel(model) else []
+    if tables_numel <= max((_unit_numel(model, u, units) for u in units), default=0):
+        return []
+    planned = []
+    for table, role in candidates:
+        companions = _head_companions(model, layer_groups, inp, out, units) if table is out else []
+        reshard = input_reshard_after_forward if role == "input_embedding" else False
+        fqns = (_fqn_of(model, table)[0], *(_fqn_of(model, c)[0] for c in companions))
+        planned.append(FSDPUnit(fqns, role, reshard))
+    return planned
 
 
-def _is_free_trainable_table(model: nn.Module, table: nn.Module) -> bool:
-    """A table with parameters, all trainable, not an FSDP unit and not inside one."""
+def _is_free_trainable_table(model: nn.Module, table: nn.Module, units: list[str]) -> bool:
+    """A table with parameters, all trainable, not a unit and not inside one."""
     params = list(table.parameters())
     if not params or not all(p.requires_grad for p in params):
         return False
-    return not isinstance(table, FSDPModule) and not _inside_fsdp_unit(model, table)
+    return not isinstance(table, FSDPModule) and not _in_unit(_fqn_of(model, table), units)
 
 
 def _head_companions(
-    model: nn.Module, layer_groups: Sequence[LayerGroup] | None, inp: nn.Module, out: nn.Module
+    model: nn.Module,
+    layer_groups: Sequence[LayerGroup] | None,
+    inp: nn.Module,
+    out: nn.Module,
+    units: list[str],
 ) -> list[nn.Module]:
     """Trainable non-embedding siblings of the language layer containers (e.g. ``model.norm``)."""
     groups = discover_layer_groups(model) if layer_groups is None else layer_groups
@@ -200,8 +230,8 @@ def _head_companions(
                 or not params
                 or not all(p.requires_grad for p in params.values())
                 or any(join_fqn(fqn, n) in tied for n in params)
-                or any(isinstance(m, FSDPModule) for m in child.modules())
-                or _inside_fsdp_unit(model, child)
+                or any(u == fqn or u.startswith(fqn + ".") for u in units)
+                or _in_unit([fqn], units)
                 or any(child is m for m in found)
             ):
                 continue

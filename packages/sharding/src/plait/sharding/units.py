@@ -20,6 +20,7 @@ from plait.sharding.multimodal import (
     frozen_multimodal_ignored_params,
 )
 from plait.sharding.prefetch import check_prefetch_depth, wire_fsdp_prefetch
+from plait.sharding.unit_policy import FSDPUnit, unit_reshard_after_forward
 
 
 def select_fsdp_units(
@@ -42,14 +43,6 @@ def select_fsdp_units(
     ]
 
 
-def _unit_reshard(last: bool, explicit: bool | int | None, pipeline_parallel: bool) -> bool | int:
-    if explicit is not None:
-        return explicit
-    if pipeline_parallel:
-        return False
-    return not last
-
-
 def apply_fsdp_sharding(
     module: nn.Module,
     mesh: DeviceMesh,
@@ -63,7 +56,6 @@ def apply_fsdp_sharding(
     frozen_multimodal_sharding: str = "root",
     ignored_params: set[nn.Parameter] | None = None,
     shard_fn: Callable[..., nn.Module] = fully_shard,
-    pipeline_parallel: bool = False,
     exclude: Iterable[nn.Module] | None = None,
 ) -> list[nn.Module]:
     """Wrap every element of every layer container of ``module`` as an FSDP unit (not the root).
@@ -83,7 +75,6 @@ def apply_fsdp_sharding(
         frozen_multimodal_sharding: ``root | per_layer | replicate``.
         ignored_params: Parameters no unit shards (added to the frozen ones under ``replicate``).
         shard_fn: The FSDP primitive, called like ``fully_shard``.
-        pipeline_parallel: The model is one pipeline stage (no resharding, no prefetch).
         exclude: Modules whose subtrees get no units (e.g. already handled by the caller).
 
     Returns:
@@ -102,13 +93,37 @@ def apply_fsdp_sharding(
         offload_policy=offload_policy or OffloadPolicy(),
         ignored_params=ignored or None,
     )
-    reshard = partial(_unit_reshard, explicit=reshard_after_forward, pipeline_parallel=pipeline_parallel)
-    units = [_wrap(c, shard, reshard_after_forward=reshard(c.last)) for c in candidates]
-    if enable_prefetch and not pipeline_parallel and reshard_after_forward is not False:
+    reshard = partial(unit_reshard_after_forward, "layer", explicit=reshard_after_forward)
+    units = [_wrap(c, shard, reshard_after_forward=reshard(last=c.last)) for c in candidates]
+    if enable_prefetch and reshard_after_forward is not False:
         wire_fsdp_prefetch(
             units, forward_depth=forward_prefetch_depth, backward_depth=backward_prefetch_depth
         )
     return units
+
+
+def plan_layer_units(
+    module: nn.Module,
+    *,
+    reshard_after_forward: bool | int | None = None,
+    frozen_multimodal_sharding: str = "root",
+    ignored_params: set[nn.Parameter] | None = None,
+    exclude: Iterable[nn.Module] | None = None,
+) -> list[FSDPUnit]:
+    """The layer units :func:`apply_fsdp_sharding` creates with the same arguments, in order.
+
+    Raises:
+        ValueError: a tied parameter two units would own.
+    """
+    candidates, _ = _candidates(module, frozen_multimodal_sharding, ignored_params, exclude)
+    return [
+        FSDPUnit(
+            (c.fqn,),
+            "layer",
+            unit_reshard_after_forward("layer", explicit=reshard_after_forward, last=c.last),
+        )
+        for c in candidates
+    ]
 
 
 def _candidates(

@@ -1,13 +1,24 @@
-"""ModelParallelizer sidecars, resolution, dispatch and compile: parallelize_model."""
+"""ModelParallelizer sidecars, the plan, resolution and compile: parallelize_model."""
 
-from plait.sidecar.compile import compile_parallelized_model
+from plait.sidecar.compile import compile_layers, compile_parallelized_model
 from plait.sidecar.parallelizer import ModelParallelizer
-from plait.sidecar.resolution import get_model_parallelizer, parallelize_model, register_model_parallelizer
+from plait.sidecar.plan import ParallelPlan, compile_requested, plan_parallelism
+from plait.sidecar.resolution import (
+    get_model_parallelizer,
+    get_parallel_plan,
+    parallelize_model,
+    register_model_parallelizer,
+)
 
 __all__ = [
     "ModelParallelizer",
+    "ParallelPlan",
+    "compile_layers",
     "compile_parallelized_model",
+    "compile_requested",
     "get_model_parallelizer",
+    "get_parallel_plan",
     "parallelize_model",
+    "plan_parallelism",
     "register_model_parallelizer",
 ]

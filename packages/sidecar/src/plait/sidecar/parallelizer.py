@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -15,27 +16,20 @@ from plait.sharding import (
     LayerGroup,
     apply_activation_checkpointing,
     apply_fsdp_sharding,
-    discover_layer_groups,
-    find_frozen_multimodal_modules,
-    frozen_multimodal_ignored_params,
     fully_shard_root,
     fully_shard_untied_embeddings,
-    guard_tied_embeddings,
 )
-from plait.sidecar.dispatch import _apply_model_parallelizer
+from plait.sidecar.compile import compile_layers
+from plait.sidecar.plan import ParallelPlan, plan_parallelism
 from plait.strategies import (
     apply_expert_parallel,
-    check_expert_parallel,
-    moe_reshard_after_forward,
-    save_moe_routing,
+    parallelize_ddp,
+    parallelize_megatron_fsdp,
     shard_experts,
     shard_moe_lm_head,
     shard_top_children,
-    validate_moe_tp_plan,
-    wraps_root,
 )
-from plait.tp import apply_tp, enable_async_tp, resolve_tp_plan, validate_tp_mesh
-from plait.tp.registry import model_class_plan
+from plait.tp import apply_tp, enable_async_tp, validate_tp_mesh
 
 if TYPE_CHECKING:
     from plait.mesh import MeshContext
@@ -68,82 +62,86 @@ class ModelParallelizer:
 
     def parallelize(self, model: nn.Module, mesh_context: MeshContext, /) -> nn.Module:
         """Apply every requested parallelism and return the parallelized model."""
-        return _apply_model_parallelizer(self, model, mesh_context)
+        return self.apply_plan(model, mesh_context, plan_parallelism(model, mesh_context, self))
 
-    def _apply(self, model: nn.Module, mesh_context: MeshContext) -> nn.Module:
-        """Apply the shared FSDP2 flow (TP, EP, AC, FSDP units, root) and return the root unit.
+    def apply_plan(self, model: nn.Module, mesh_context: MeshContext, plan: ParallelPlan) -> nn.Module:
+        """Apply ``plan`` (from `plan_parallelism`) with the strategy it names; return the model."""
+        if plan.strategy == "ddp":
+            return parallelize_ddp(model, mesh_context, self, layer_groups=plan.layer_groups)
+        if plan.strategy == "megatron_fsdp":
+            return parallelize_megatron_fsdp(
+                model, mesh_context, self, tp_plan=plan.tp_plan, layer_groups=plan.layer_groups
+            )
+        return self._apply(model, mesh_context, plan)
 
-        One line per step, each a call into a lower package, in this order: refusals before any
-        collective, TP before expert parallel, both before activation checkpointing, checkpointing
-        before FSDP, trainability restored before FSDP reads it, expert units before layer units.
-        """
-        cfg, fsdp_mesh = mesh_context.strategy_config, mesh_context.fsdp_mesh()
-        groups = discover_layer_groups(model, self.layer_group_paths)
-        check_expert_parallel(model, mesh_context)
-        apply_context_parallel(model, mesh_context)  # cp > 1: attention over the sharded sequence
-        if mesh_context.tp_size > 1:
-            self._apply_tensor_parallel(model, mesh_context)
-        apply_expert_parallel(model, mesh_context)
-        if mesh_context.activation_checkpointing:
-            self._checkpoint_activations(model, groups, mesh_context)
-            save_moe_routing(model, mesh_context)
+    def _apply(
+        self, model: nn.Module, mesh_context: MeshContext, plan: ParallelPlan | None = None
+    ) -> nn.Module:
+        """The shared FSDP2 flow: gated steps over the plan, in the order docs/architecture.md gives."""
+        plan = plan if plan is not None else plan_parallelism(model, mesh_context, self)
+        if plan.cp:
+            apply_context_parallel(model, mesh_context)
+        if plan.tp:
+            apply_tp(
+                model, mesh_context.tp_mesh(), copy.deepcopy(dict(plan.tp_plan))
+            )  # the plan stays as made
+        if plan.async_tp:
+            enable_async_tp(mesh_context.tp_mesh(), sequence_parallel=plan.sequence_parallel)
+        if plan.ep:
+            apply_expert_parallel(plan.moe_blocks, mesh_context.ep_mesh())
+        if plan.ac_mode:
+            self._checkpoint_activations(model, list(plan.layer_groups), mesh_context, *_saved(model, plan))
         if mesh_context.reapply_trainability is not None:
             mesh_context.reapply_trainability(model)
-        frozen = find_frozen_multimodal_modules(model)
-        ignored = frozen_multimodal_ignored_params(frozen, cfg.frozen_multimodal_sharding)
-        guard_tied_embeddings(model)
-        shard_experts(model, mesh_context, shard_fn=self._fully_shard_module)
+        if plan.shard:
+            model = self._shard(model, mesh_context, plan)
+        if plan.compile:
+            compile_layers(model, self.layer_group_paths)
+        return model
+
+    def _shard(self, model: nn.Module, mesh_context: MeshContext, plan: ParallelPlan) -> nn.Module:
+        """Create the plan's FSDP units: experts, layers (the hook), MoE head, untied tables, root."""
+        cfg, mesh = mesh_context.strategy_config, mesh_context.fsdp_mesh()
+        experts = [u for u in plan.fsdp_units if u.role == "experts"]
+        if experts:
+            shard_experts(
+                plan.moe_blocks,
+                mesh_context,
+                shard_fn=self._fully_shard_module,
+                reshard_after_forward=experts[0].reshard_after_forward,
+            )
         self._apply_fsdp_sharding(
             model,
-            fsdp_mesh,
+            mesh,
             cfg.mp_policy,
             cfg.offload_policy,
             enable_fsdp2_prefetch=cfg.enable_fsdp2_prefetch,
             fsdp2_backward_prefetch_depth=cfg.fsdp2_backward_prefetch_depth,
             fsdp2_forward_prefetch_depth=cfg.fsdp2_forward_prefetch_depth,
-            reshard_after_forward=moe_reshard_after_forward(mesh_context),
+            reshard_after_forward=plan.layer_reshard_after_forward,
             frozen_multimodal_sharding=cfg.frozen_multimodal_sharding,
-            ignored_multimodal_params=ignored,
+            ignored_multimodal_params=set(plan.ignored_params),
         )
         shard_moe_lm_head(model, mesh_context, shard_fn=self._fully_shard_module)
+        inputs = [u for u in plan.fsdp_units if u.role == "input_embedding"]
         self._fully_shard_untied_input_output_embeddings(
             model,
-            fsdp_mesh,
+            mesh,
             cfg.mp_policy,
             cfg.offload_policy,
-            input_reshard_after_forward=cfg.reshard_after_forward is not False,
-            layer_groups=groups,
+            input_reshard_after_forward=bool(inputs[0].reshard_after_forward) if inputs else True,
+            layer_groups=list(plan.layer_groups),
         )
-        if not wraps_root(mesh_context):
+        if plan.fsdp_units[-1].role == "child":
             return shard_top_children(model, mesh_context, shard_fn=self._fully_shard_module)
         return fully_shard_root(
             model,
-            fsdp_mesh,
+            mesh,
             mp_policy=cfg.mp_policy,
             offload_policy=cfg.offload_policy,
-            ignored_params=ignored,
+            ignored_params=set(plan.ignored_params),
             shard_fn=self._fully_shard_module,
         )
-
-    def _apply_tensor_parallel(self, model: nn.Module, mesh_context: MeshContext) -> None:
-        """Resolve the TP plan (config, sidecar, registry, Hugging Face, default), check it, apply it."""
-        cfg, tp_mesh = mesh_context.strategy_config, mesh_context.tp_mesh()
-        self._validate_tp_mesh(model, tp_mesh)
-        plan = resolve_tp_plan(
-            model,
-            plan=cfg.tp_plan,
-            sequence_parallel=cfg.sequence_parallel,
-            tp_size=tp_mesh.size(),
-            model_plan=self.tp_plan,
-            finalize=self._finalize_tp_plan,
-        )
-        # The model's own default plan (Hugging Face's) may shard experts; under ep > 1 EP owns them.
-        default = cfg.tp_plan is None and self.tp_plan is None and model_class_plan(model) is None
-        default = default and type(self)._finalize_tp_plan is ModelParallelizer._finalize_tp_plan
-        plan = validate_moe_tp_plan(model, plan, mesh_context, model_default=default)
-        apply_tp(model, tp_mesh, plan)  # re-ties embeddings, rewrites local head counts
-        if cfg.enable_async_tensor_parallel:
-            enable_async_tp(tp_mesh, sequence_parallel=cfg.sequence_parallel)
 
     def _apply_fsdp_sharding(
         self,
@@ -219,13 +217,34 @@ class ModelParallelizer:
         return plan
 
     def _checkpoint_activations(
-        self, model: nn.Module, groups: list[LayerGroup], mesh_context: MeshContext
+        self,
+        model: nn.Module,
+        groups: list[LayerGroup],
+        mesh_context: MeshContext,
+        save_inside: Sequence[nn.Module] = (),
     ) -> int:
-        """Checkpoint ``groups`` per the context's mode and scope and this sidecar's whole-layer policy."""
+        """Checkpoint ``groups`` per the context's mode and scope and this sidecar's whole-layer policy.
+
+        Every op run inside a ``save_inside`` module (the plan's MoE routers) is saved, never recomputed.
+        """
         return apply_activation_checkpointing(
             model,
             groups,
             mode=mesh_context.activation_checkpointing,
             scope=mesh_context.strategy_config.activation_checkpointing_scope,
             whole_layer=self._use_full_layer_activation_checkpointing(model),
+            save_inside=save_inside,
         )
+
+    def _adjust_plan(self, model: nn.Module, mesh_context: MeshContext, plan: ParallelPlan) -> ParallelPlan:
+        """Return the plan to apply (default: unchanged); a sidecar may replace decisions here."""
+        return plan
+
+    def _finalizes_tp_plan(self) -> bool:
+        """Whether this sidecar overrides `_finalize_tp_plan` (its plan is then not the model's default)."""
+        return type(self)._finalize_tp_plan is not ModelParallelizer._finalize_tp_plan
+
+
+def _saved(model: nn.Module, plan: ParallelPlan) -> tuple[list[nn.Module], ...]:
+    """The ``save_inside`` argument of the checkpointing hook, only when the plan has a save list."""
+    return ([model.get_submodule(fqn) for fqn in plan.ac_save_inside],) if plan.ac_save_inside else ()

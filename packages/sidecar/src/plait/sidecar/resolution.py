@@ -13,13 +13,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from plait.mesh import MeshContext, check_ranks_agree, describe_mesh_context, describe_module
 from plait.sidecar.parallelizer import ModelParallelizer
+from plait.sidecar.plan import ParallelPlan, plan_parallelism
 
-__all__ = ["get_model_parallelizer", "parallelize_model", "register_model_parallelizer"]
+__all__ = ["get_model_parallelizer", "get_parallel_plan", "parallelize_model", "register_model_parallelizer"]
 
 _DEFAULT_PARALLELIZER = ModelParallelizer()
 _REGISTRY: dict[str, Any] = {}
 _PARALLELIZED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 """Models :func:`parallelize_model` has returned (and the ones it was given), so a second call is refused."""
+_PLANS: weakref.WeakKeyDictionary[nn.Module, ParallelPlan] = weakref.WeakKeyDictionary()
+"""The plan applied to each model :func:`parallelize_model` returned."""
 
 
 def register_model_parallelizer(class_name: str, parallelizer: ModelParallelizer | str) -> None:
@@ -75,28 +78,54 @@ def get_model_parallelizer(model: nn.Module) -> ModelParallelizer:
     return candidate() if isinstance(candidate, type) else candidate
 
 
-def parallelize_model(model: nn.Module, mesh_context: MeshContext) -> nn.Module:
+def parallelize_model(
+    model: nn.Module, mesh_context: MeshContext, *, plan: ParallelPlan | None = None
+) -> nn.Module:
     """Apply every parallelism ``mesh_context`` requests through the model's sidecar; return the model.
 
-    The returned model trains correctly with a plain loop (forward, loss, backward, optimizer step):
-    no gradient synchronisation or rescaling is left to the caller.
+    The sidecar's plan (`plan_parallelism`) is made first, before any collective, then applied; it
+    stays readable with `get_parallel_plan(result)`. The returned model trains correctly with a plain
+    loop (forward, loss, backward, optimizer step): no gradient synchronisation or rescaling is left
+    to the caller.
+
+    Args:
+        model: The plain model.
+        mesh_context: The meshes and configs.
+        plan: A plan made for this model and context (a pipeline stage's); None = made here.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or ``mesh_context`` not a ``MeshContext``.
-        ValueError: ``model`` is already parallelized, or the ranks do not all pass the same model
-            structure and mesh context (compared with a short timeout, before any collective).
+        ValueError: ``model`` is already parallelized, a pp axis (use ``plait.pipeline.pipeline_model``),
+            any refusal of the plan, or ranks that do not all pass the same model structure and mesh
+            context (compared with a short timeout, before any collective).
     """
     _check_arguments(model, mesh_context)
+    if mesh_context.pp_size > 1 and plan is None:
+        raise ValueError(
+            f"pp_size={mesh_context.pp_size}: parallelize_model does not split a model into pipeline stages; "
+            "call plait.pipeline.pipeline_model(model, mesh_context, loss_fn) (package plait-pipeline), "
+            "which runs this flow on each stage."
+        )
     parallelizer = get_model_parallelizer(model)
     description = {**describe_mesh_context(mesh_context), **describe_module(model)}
     description["sidecar"] = f"{type(parallelizer).__module__}.{type(parallelizer).__qualname__}"
     mesh = mesh_context.device_mesh  # under PP each stage's ranks parallelize their own stage
     ranks = None if mesh is None else mesh.mesh.flatten().tolist()
     check_ranks_agree("parallelize_model", description, ranks=ranks)
-    result = parallelizer.parallelize(model, mesh_context)
+    if not isinstance(parallelizer, ModelParallelizer):  # a duck-typed sidecar: its own parallelize
+        result = parallelizer.parallelize(model, mesh_context)
+    else:
+        plan = plan if plan is not None else plan_parallelism(model, mesh_context, parallelizer)
+        result = parallelizer.apply_plan(model, mesh_context, plan)
+        _PLANS[result] = plan
     _PARALLELIZED.add(model)
     _PARALLELIZED.add(result)
     return result
+
+
+def get_parallel_plan(model: nn.Module) -> ParallelPlan | None:
+    """The plan `parallelize_model` applied to ``model`` (its result), or None."""
+    return _PLANS.get(model)
 
 
 def _check_arguments(model: Any, mesh_context: Any) -> None:

@@ -1,5 +1,6 @@
 """DDP, Megatron-FSDP and the expert-parallel steps of the FSDP2 flow."""
 
+from plait.strategies._moe_blocks import MoEBlockInfo, find_moe_blocks
 from plait.strategies.ddp import parallelize_ddp
 from plait.strategies.experts import ExpertParallel, experts_convention, num_experts_of
 from plait.strategies.hooks import SidecarHooks
@@ -7,8 +8,10 @@ from plait.strategies.megatron import parallelize_megatron_fsdp
 from plait.strategies.moe import (
     apply_expert_parallel,
     check_expert_parallel,
+    moe_head,
     moe_reshard_after_forward,
-    save_moe_routing,
+    replays_ops_in_layers,
+    routers_to_save,
     shard_experts,
     shard_moe_lm_head,
     shard_top_children,
@@ -17,16 +20,20 @@ from plait.strategies.moe import (
 )
 
 __all__ = [
+    "MoEBlockInfo",
+    "find_moe_blocks",
     "ExpertParallel",
     "SidecarHooks",
     "apply_expert_parallel",
     "check_expert_parallel",
     "experts_convention",
     "moe_reshard_after_forward",
+    "moe_head",
     "num_experts_of",
     "parallelize_ddp",
     "parallelize_megatron_fsdp",
-    "save_moe_routing",
+    "replays_ops_in_layers",
+    "routers_to_save",
     "shard_experts",
     "shard_moe_lm_head",
     "shard_top_children",

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from plait.mesh import DDPConfig, MeshContext
-from plait.sharding import discover_layer_groups
+from plait.sharding import LayerGroup
 from plait.strategies.hooks import SidecarHooks
 
 __all__ = ["parallelize_ddp"]
@@ -21,7 +23,13 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def parallelize_ddp(model: nn.Module, mesh_context: MeshContext, sidecar: SidecarHooks) -> nn.Module:
+def parallelize_ddp(
+    model: nn.Module,
+    mesh_context: MeshContext,
+    sidecar: SidecarHooks,
+    *,
+    layer_groups: Sequence[LayerGroup] = (),
+) -> nn.Module:
     """Checkpoint the layers (the sidecar's hook), restore trainability, then wrap in DDP (world > 1).
 
     The device comes from the default process group (NCCL: the current CUDA device; otherwise CPU).
@@ -30,7 +38,8 @@ def parallelize_ddp(model: nn.Module, mesh_context: MeshContext, sidecar: Sideca
     Args:
         model: The model; moved to the device.
         mesh_context: Carries the :class:`DDPConfig`, the AC mode and ``reapply_trainability``.
-        sidecar: The model's sidecar (``_checkpoint_activations``, ``layer_group_paths``).
+        sidecar: The model's sidecar (``_checkpoint_activations``).
+        layer_groups: The planned layer groups checkpointed under ``activation_checkpointing``.
 
     Returns:
         ``DistributedDataParallel(model)``, or ``model`` itself with one rank.
@@ -47,8 +56,7 @@ def parallelize_ddp(model: nn.Module, mesh_context: MeshContext, sidecar: Sideca
             "parallelize_ddp needs an initialised default process group; call plait.mesh.init_distributed()"
         )
     if mesh_context.activation_checkpointing:
-        groups = discover_layer_groups(model, sidecar.layer_group_paths)
-        sidecar._checkpoint_activations(model, groups, mesh_context)
+        sidecar._checkpoint_activations(model, list(layer_groups), mesh_context)
     if mesh_context.reapply_trainability is not None:
         mesh_context.reapply_trainability(model)
     device = _device()

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 if TYPE_CHECKING:
     from plait.mesh import MeshContext
@@ -15,14 +14,10 @@ __all__ = ["SidecarHooks"]
 
 
 class SidecarHooks(Protocol):
-    """What a strategy needs of a ``plait.sidecar.ModelParallelizer``: its TP and checkpointing hooks."""
+    """What a strategy needs of a ``plait.sidecar.ModelParallelizer``: its checkpointing hook.
 
-    tp_plan: Any
-    layer_group_paths: Any
-
-    def _validate_tp_mesh(self, model: nn.Module, tp_mesh: DeviceMesh) -> None: ...
-
-    def _finalize_tp_plan(self, model: nn.Module, plan: Any) -> Any: ...
+    Everything else (the TP plan, the layer groups) the strategies get from the plan.
+    """
 
     def _checkpoint_activations(
         self, model: nn.Module, groups: list[LayerGroup], mesh_context: MeshContext

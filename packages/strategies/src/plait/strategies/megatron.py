@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait.mesh import MegatronFSDPConfig, MeshContext
-from plait.sharding import discover_layer_groups
+from plait.sharding import LayerGroup
 from plait.strategies._megatron_api import load_api, resolve_unit_modules, translate_config
 from plait.strategies.hooks import SidecarHooks
-from plait.tp import apply_tp, resolve_tp_plan
+from plait.tp import apply_tp
 
 __all__ = ["parallelize_megatron_fsdp"]
 
@@ -47,30 +50,18 @@ def _device_mesh(mesh_context: MeshContext) -> tuple[MegatronFSDPConfig, DeviceM
     return config, mesh_context.device_mesh
 
 
-def _tp_plan(model: nn.Module, mesh_context: MeshContext, sidecar: SidecarHooks, tp: int) -> dict | None:
-    """The validated TP plan (None without TP); nothing is applied yet."""
-    if tp == 1:
-        return None
-    sidecar._validate_tp_mesh(model, mesh_context.device_mesh["tp"])
-    config = mesh_context.strategy_config
-    return resolve_tp_plan(
-        model, plan=config.tp_plan, tp_size=tp, model_plan=sidecar.tp_plan, finalize=sidecar._finalize_tp_plan
-    )
-
-
 def _apply_before_sharding(
-    model: nn.Module, mesh_context: MeshContext, sidecar: SidecarHooks, plan: dict | None
+    model: nn.Module,
+    mesh_context: MeshContext,
+    sidecar: SidecarHooks,
+    tp_plan: Mapping[str, Any],
+    layer_groups: Sequence[LayerGroup],
 ) -> None:
     """TP, activation checkpointing and ``reapply_trainability``, in that order (all checked first)."""
-    groups = (
-        discover_layer_groups(model, sidecar.layer_group_paths)
-        if mesh_context.activation_checkpointing
-        else []
-    )
-    if plan:
-        apply_tp(model, mesh_context.tp_mesh(), plan)
+    if tp_plan:
+        apply_tp(model, mesh_context.tp_mesh(), copy.deepcopy(dict(tp_plan)))
     if mesh_context.activation_checkpointing:
-        sidecar._checkpoint_activations(model, groups, mesh_context)
+        sidecar._checkpoint_activations(model, list(layer_groups), mesh_context)
     if mesh_context.reapply_trainability is not None:
         mesh_context.reapply_trainability(model)
 
@@ -80,13 +71,16 @@ def parallelize_megatron_fsdp(
     mesh_context: MeshContext,
     sidecar: SidecarHooks,
     *,
+    tp_plan: Mapping[str, Any] | None = None,
+    layer_groups: Sequence[LayerGroup] = (),
     optimizer: torch.optim.Optimizer | None = None,
 ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
     """Apply TP, AC and ``reapply_trainability``, then Megatron-FSDP over the ``dp`` (x ``cp``) ranks.
 
     Unit modules come from ``config.unit_modules`` or the model's ``_no_split_modules``; with one
-    data-parallel rank only TP is applied, with a warning. A given ``optimizer`` is rebuilt on the
-    sharded parameters (one group, its defaults) and ``(model, optimizer)`` is returned.
+    data-parallel rank only TP is applied, with a warning. ``tp_plan`` and ``layer_groups`` come from
+    the plan (``plait.sidecar.plan_parallelism``). A given ``optimizer`` is rebuilt on the sharded
+    parameters (one group, its defaults) and ``(model, optimizer)`` is returned.
 
     Raises:
         TypeError: the strategy config is not a :class:`MegatronFSDPConfig`.
@@ -100,7 +94,7 @@ def parallelize_megatron_fsdp(
         api = load_api(with_optimizer=optimizer is not None)
         units = resolve_unit_modules(model, config)
         kwargs = translate_config(config, api)
-    _apply_before_sharding(model, mesh_context, sidecar, _tp_plan(model, mesh_context, sidecar, tp))
+    _apply_before_sharding(model, mesh_context, sidecar, tp_plan or {}, layer_groups)
     if not shard:
         warnings.warn(
             f"Megatron-FSDP with dp={dp}, cp={cp}: one data-parallel rank, nothing to shard; applied TP "

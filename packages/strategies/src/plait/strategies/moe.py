@@ -1,8 +1,9 @@
 """The expert-parallel steps of the one FSDP2 flow (``ModelParallelizer._apply``), each a no-op at ep 1.
 
-Order inside the flow: :func:`check_expert_parallel` first (refusals, before any collective), TP (with
-:func:`validate_moe_tp_plan`), :func:`apply_expert_parallel`, activation checkpointing then
-:func:`save_moe_routing`, :func:`shard_experts` before the layer units, :func:`shard_moe_lm_head` after.
+The plan (``plait.sidecar.plan_parallelism``) calls :func:`check_expert_parallel` (refusals, the blocks),
+:func:`validate_moe_tp_plan` and :func:`routers_to_save` once; the flow then runs
+:func:`apply_expert_parallel` after TP, :func:`shard_experts` before the layer units and
+:func:`shard_moe_lm_head` after them, each over the planned blocks.
 
 Gradient scaling. The dense units average gradients over the data-parallel ranks (``dp*cp``; TP ranks
 see the same data). An expert's gradient on its owner rank already *sums* the contributions of every
@@ -16,25 +17,27 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from plait.mesh import FSDP2Config, MeshContext
+from plait.mesh import MeshContext
 from plait.strategies._moe_blocks import MoEBlockInfo, find_moe_blocks
-from plait.strategies._routing_ac import save_routing_under_checkpoint
 from plait.strategies.experts import ExpertParallel, experts_convention
 
 __all__ = [
     "apply_expert_parallel",
     "check_expert_parallel",
+    "moe_head",
     "moe_reshard_after_forward",
-    "save_moe_routing",
+    "replays_ops_in_layers",
+    "routers_to_save",
     "shard_experts",
     "shard_moe_lm_head",
     "shard_top_children",
@@ -72,30 +75,24 @@ def check_expert_parallel(model: nn.Module, mesh_context: MeshContext) -> list[M
     Returns ``[]`` at ep 1.
 
     Raises:
-        TypeError: a non-FSDP2 strategy, or an experts forward of neither supported convention.
+        TypeError: no device mesh or MoEConfig, or an experts forward of neither supported convention.
         ValueError: ep vs ``dp*cp*tp``; no experts; ``num_experts % ep``; per-expert module lists;
-            sequence parallel or async TP; ``wrap_outer_model=False`` with root-owned parameters.
+            ``wrap_outer_model=False`` with root-owned parameters. (Strategies and techniques that do not
+            combine with expert parallel are refused by the combination table in plait.mesh.)
     """
     if mesh_context.ep_size == 1:
         return []
-    cfg, moe_cfg = mesh_context.strategy_config, mesh_context.moe_config
-    if not isinstance(cfg, FSDP2Config) or mesh_context.device_mesh is None or moe_cfg is None:
+    moe_cfg = mesh_context.moe_config
+    if mesh_context.device_mesh is None or moe_cfg is None:
         raise TypeError(
-            f"expert parallelism (ep_size={mesh_context.ep_size}) needs FSDP2Config and a device mesh, got "
-            f"{type(cfg).__name__} with device_mesh={mesh_context.device_mesh!r}; use "
+            f"expert parallelism (ep_size={mesh_context.ep_size}) needs a device mesh and an MoEConfig; use "
             "MeshContext.build(FSDP2Config(...), ParallelismSizes(ep_size=...))."
         )
     _check_mesh_tiling(mesh_context)
     blocks = find_moe_blocks(model, mesh_context.ep_size)
     for block in blocks:
         experts_convention(block.experts)
-    if cfg.sequence_parallel or cfg.enable_async_tensor_parallel:
-        raise ValueError(
-            f"MoE models do not support sequence_parallel={cfg.sequence_parallel} / "
-            f"enable_async_tensor_parallel={cfg.enable_async_tensor_parallel}: the MoE block expects "
-            "replicated activations; set both to False"
-        )
-    if _saves_ops_in_layers(mesh_context) and moe_cfg.reshard_after_forward is True:
+    if replays_ops_in_layers(mesh_context) and moe_cfg.reshard_after_forward is True:
         raise ValueError(
             f"MoEConfig.reshard_after_forward=True under activation_checkpointing="
             f"{mesh_context.activation_checkpointing!r} (ignore_router_for_ac={moe_cfg.ignore_router_for_ac}): "
@@ -117,7 +114,7 @@ def check_expert_parallel(model: nn.Module, mesh_context: MeshContext) -> list[M
 
 
 def validate_moe_tp_plan(
-    model: nn.Module, plan: Mapping[str, Any], mesh_context: MeshContext, *, model_default: bool = False
+    model: nn.Module, plan: Mapping[str, Any], blocks: Sequence[MoEBlockInfo], *, model_default: bool = False
 ) -> dict[str, Any]:
     """Under ep > 1, keep experts, routers and gates out of the TP plan; return the plan to apply.
 
@@ -126,14 +123,13 @@ def validate_moe_tp_plan(
     registered for the class) touching them is refused. The model's own default plan (a Hugging Face
     ``base_model_tp_plan`` shards experts with ``moe_tp_experts``) has those entries dropped, each
     named in a log record; a default pattern matching both protected and other modules is refused.
-    At ep 1 the plan is returned unchanged.
+    Without blocks (ep 1) the plan is returned unchanged.
 
     Raises:
         ValueError: naming the pattern and the protected module it matches.
     """
-    if mesh_context.ep_size == 1:
+    if not blocks:
         return dict(plan)
-    blocks = find_moe_blocks(model, mesh_context.ep_size)
     protected = [fqn for b in blocks for fqn in (b.experts_fqn, b.router_fqn) if fqn is not None]
     names = [name for name, _ in model.named_modules() if name]
     kept: dict[str, Any] = {}
@@ -144,9 +140,7 @@ def validate_moe_tp_plan(
             kept[pattern] = style
         elif model_default and len(hits) == len(matches):
             _log.info(
-                "ep_size %d: dropped the default TP plan entry %r (experts are expert-parallel)",
-                mesh_context.ep_size,
-                pattern,
+                "expert parallel: dropped the default TP plan entry %r (experts are expert-parallel)", pattern
             )
         else:
             name, hit = hits[0]
@@ -163,26 +157,27 @@ def _protector(name: str, protected: list[str]) -> str | None:
     return next((p for p in protected if name == p or name.startswith(p + ".")), None)
 
 
-def apply_expert_parallel(model: nn.Module, mesh_context: MeshContext) -> None:
+def apply_expert_parallel(blocks: Sequence[MoEBlockInfo], ep_mesh: DeviceMesh) -> None:
     """Shard every experts module ``Shard(0)`` on the ep mesh and route its tokens by all-to-all."""
-    for block in check_expert_parallel(model, mesh_context):
-        parallelize_module(block.experts, mesh_context.ep_mesh(), ExpertParallel())
+    for block in blocks:
+        parallelize_module(block.experts, ep_mesh, ExpertParallel())
 
 
-def save_moe_routing(model: nn.Module, mesh_context: MeshContext) -> int:
-    """After activation checkpointing: save the routers' ops, never recompute them (``ignore_router_for_ac``).
+def routers_to_save(blocks: Sequence[MoEBlockInfo], mesh_context: MeshContext) -> list[str]:
+    """The routers whose ops activation checkpointing must save, never recompute (``ignore_router_for_ac``).
 
-    Returns:
-        The number of checkpoint wrappers rewired (0 at ep 1 or with the option off).
+    A recomputed router can pick other experts than the forward did (ties in top-k, non-deterministic
+    kernels), which changes the token counts of the all-to-all. Empty without checkpointing.
     """
     moe_cfg = mesh_context.moe_config
-    if mesh_context.ep_size == 1 or moe_cfg is None or not moe_cfg.ignore_router_for_ac:
-        return 0
-    blocks = find_moe_blocks(model, mesh_context.ep_size)
-    routers = [b.router for b in blocks if b.router is not None]
-    return save_routing_under_checkpoint(
-        model, routers, selective=mesh_context.activation_checkpointing == "selective"
-    )
+    if (
+        not blocks
+        or not mesh_context.activation_checkpointing
+        or moe_cfg is None
+        or not moe_cfg.ignore_router_for_ac
+    ):
+        return []
+    return [b.router_fqn for b in blocks if b.router_fqn is not None]
 
 
 def moe_reshard_after_forward(mesh_context: MeshContext) -> bool | None:
@@ -193,17 +188,11 @@ def moe_reshard_after_forward(mesh_context: MeshContext) -> bool | None:
     return getattr(mesh_context.strategy_config, "reshard_after_forward", None)
 
 
-def _saves_ops_in_layers(mesh_context: MeshContext) -> bool:
+def replays_ops_in_layers(mesh_context: MeshContext) -> bool:
     """Whether the layers run under torch's selective checkpoint (selective mode, or routing saved)."""
     moe_cfg, mode = mesh_context.moe_config, mesh_context.activation_checkpointing
-    return mode == "selective" or bool(mode and moe_cfg is not None and moe_cfg.ignore_router_for_ac)
-
-
-def _experts_reshard_after_forward(mesh_context: MeshContext) -> bool | None:
-    # Selective checkpointing replays the forward's ops by index; an experts unit resharded after
-    # forward all-gathers again inside the recompute, so the op sequences differ (torch raises
-    # "invocation index ... not found in storage"): keep it unsharded.
-    return False if _saves_ops_in_layers(mesh_context) else moe_reshard_after_forward(mesh_context)
+    saves_routing = mesh_context.ep_size > 1 and moe_cfg is not None and moe_cfg.ignore_router_for_ac
+    return mode == "selective" or bool(mode and saves_routing)
 
 
 def _experts_placement(ep_shard: int, local_experts: int) -> Callable[[nn.Parameter], Shard]:
@@ -212,14 +201,18 @@ def _experts_placement(ep_shard: int, local_experts: int) -> Callable[[nn.Parame
     return lambda param: Shard(dim)
 
 
-def shard_experts(model: nn.Module, mesh_context: MeshContext, shard_fn: ShardFn) -> None:
+def shard_experts(
+    blocks: Sequence[MoEBlockInfo],
+    mesh_context: MeshContext,
+    shard_fn: ShardFn,
+    *,
+    reshard_after_forward: bool | int,
+) -> None:
     """Give every experts module its own FSDP unit on the ``ep_shard`` mesh (before the layer units).
 
     Mixed precision: ``MoEConfig.mp_policy``, else the strategy's. Raises TypeError when ``shard_fn``
     (the sidecar's ``_fully_shard_module``) does not return an FSDP module.
     """
-    if mesh_context.ep_size == 1:
-        return
     cfg, moe_cfg = mesh_context.strategy_config, mesh_context.moe_config
     ep_shard_mesh = mesh_context.ep_shard_mesh()
     factor = float(mesh_context.moe_mesh.size())
@@ -228,11 +221,11 @@ def shard_experts(model: nn.Module, mesh_context: MeshContext, shard_fn: ShardFn
     force_sum = ep_shard_mesh.size() > 1 and not (
         ep_shard_mesh.device_type == "cuda" and "nccl" in str(dist.get_backend(ep_shard_mesh.get_group()))
     )
-    for block in find_moe_blocks(model, mesh_context.ep_size):
+    for block in blocks:
         unit = shard_fn(
             block.experts,
             mesh=ep_shard_mesh,
-            reshard_after_forward=_experts_reshard_after_forward(mesh_context),
+            reshard_after_forward=reshard_after_forward,
             mp_policy=moe_cfg.mp_policy or cfg.mp_policy or MixedPrecisionPolicy(),
             offload_policy=cfg.offload_policy or OffloadPolicy(),
             shard_placement_fn=_experts_placement(
@@ -264,15 +257,21 @@ def _output_head(model: nn.Module) -> tuple[nn.Module | None, bool]:
     return head, tied
 
 
-def shard_moe_lm_head(model: nn.Module, mesh_context: MeshContext, shard_fn: ShardFn) -> None:
-    """Put the output head in its own unit computing in ``MoEConfig.lm_head_precision`` (if set)."""
+def moe_head(model: nn.Module, mesh_context: MeshContext) -> nn.Module | None:
+    """The output head that gets its own unit in ``MoEConfig.lm_head_precision``, or None."""
     moe_cfg = mesh_context.moe_config
     if mesh_context.ep_size == 1 or moe_cfg is None or moe_cfg.lm_head_precision is None:
-        return
+        return None
     head, _ = _output_head(model)
-    if head is None or isinstance(head, FSDPModule):
+    return None if head is None or isinstance(head, FSDPModule) else head
+
+
+def shard_moe_lm_head(model: nn.Module, mesh_context: MeshContext, shard_fn: ShardFn) -> None:
+    """Put the output head in its own unit computing in ``MoEConfig.lm_head_precision`` (if set)."""
+    head = moe_head(model, mesh_context)
+    if head is None:
         return
-    dtype = moe_cfg.lm_head_precision
+    dtype = mesh_context.moe_config.lm_head_precision
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, output_dtype=dtype)
     shard_fn(head, mesh=mesh_context.fsdp_mesh(), reshard_after_forward=False, mp_policy=policy)
 

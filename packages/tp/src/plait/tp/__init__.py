@@ -23,7 +23,7 @@ from plait.tp.replicate import (
     ReplicateParallel,
     ShardedRegion,
 )
-from plait.tp.resolve import resolve_tp_plan
+from plait.tp.resolve import resolve_tp_plan, resolve_tp_plan_with_source
 from plait.tp.sequence import (
     GatherSequenceInput,
     RotaryEmbeddingParallel,
@@ -68,5 +68,6 @@ __all__ = [
     "register_model_tp_plan",
     "register_tp_plan",
     "resolve_tp_plan",
+    "resolve_tp_plan_with_source",
     "validate_tp_mesh",
 ]

@@ -18,7 +18,7 @@ from plait.tp.llama import llama_tp_plan
 from plait.tp.registry import model_class_plan, named_plan, registered_plan_names
 from plait.tp.styles import parse_style
 
-__all__ = ["normalize_plan", "resolve_tp_plan", "unmatched_message"]
+__all__ = ["normalize_plan", "resolve_tp_plan", "resolve_tp_plan_with_source", "unmatched_message"]
 
 _FORMS = (
     "a dict {fqn_pattern: ParallelStyle | style string}, a registered plan name, "
@@ -184,10 +184,35 @@ def resolve_tp_plan(
         ValueError / TypeError: an invalid plan form, unknown style, bad import path, unmatched pattern,
             or a remote-code model without a plan at ``tp_size > 1``.
     """
+    return resolve_tp_plan_with_source(
+        model,
+        plan=plan,
+        sequence_parallel=sequence_parallel,
+        tp_size=tp_size,
+        model_plan=model_plan,
+        finalize=finalize,
+    )[0]
+
+
+def resolve_tp_plan_with_source(
+    model: nn.Module,
+    *,
+    plan: Mapping[str, Any] | str | None = None,
+    sequence_parallel: bool = False,
+    tp_size: int,
+    model_plan: Callable[[nn.Module, bool], Any] | Mapping[str, Any] | str | None = None,
+    finalize: Finalize | None = None,
+) -> tuple[dict[str, ParallelStyle], str]:
+    """:func:`resolve_tp_plan`, and where the plan came from.
+
+    The source is one of ``explicit tp_plan``, ``registered plan 'NAME'``, ``tp_plan 'pkg.mod:ATTR'``,
+    ``sidecar tp_plan``, ``plan registered for CLASS``, ``Hugging Face plan`` or ``default
+    Llama-style plan``.
+    """
     source, raw = _pick(model, plan, sequence_parallel, tp_size, model_plan)
     styles = normalize_plan(raw, source)
     lenient = set(styles) if source in _LENIENT_SOURCES else set()
     if finalize is not None:
         finalized = finalize(model, styles)
         styles = normalize_plan(styles if finalized is None else finalized, "finalized tp_plan")
-    return _check_patterns(model, styles, lenient, source)
+    return _check_patterns(model, styles, lenient, source), source

@@ -1,0 +1,373 @@
+"""`plan_parallelism`: every decision of the flow, made once, before any collective — the `ParallelPlan`.
+
+The plan says which techniques apply (each from one gate here), refuses every combination the
+combination table in `plait.mesh` does not build, resolves the TP plan once (with its source), finds
+the layer groups, the MoE blocks and the frozen towers, and lists the FSDP units in the order the
+flow creates them, each with its reshard-after-forward value from
+`plait.sharding.unit_reshard_after_forward`. `ModelParallelizer._apply` only applies it; the
+trainer's ``validate`` and ``plan`` build the same object on meta tensors and a fake process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from plait.cp import check_context_parallel_model
+from plait.mesh import FSDP2Config, MeshContext, check_combination, context_request, strategy_name
+from plait.sharding import (
+    FSDPUnit,
+    LayerGroup,
+    discover_layer_groups,
+    find_frozen_multimodal_modules,
+    find_multimodal_modules,
+    frozen_multimodal_ignored_params,
+    plan_layer_units,
+    plan_untied_embedding_units,
+    unit_reshard_after_forward,
+)
+from plait.strategies import (
+    MoEBlockInfo,
+    check_expert_parallel,
+    moe_head,
+    moe_reshard_after_forward,
+    replays_ops_in_layers,
+    routers_to_save,
+    validate_moe_tp_plan,
+    wraps_root,
+)
+from plait.tp import resolve_tp_plan_with_source
+
+if TYPE_CHECKING:
+    from plait.sidecar.parallelizer import ModelParallelizer
+
+__all__ = ["ParallelPlan", "compile_requested", "plan_parallelism"]
+
+_MODEL_DEFAULT_SOURCES = frozenset({"Hugging Face plan", "default Llama-style plan"})
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """What `parallelize_model` applies to one model (or one pipeline stage), decided once.
+
+    ``describe()`` is its rank-independent summary (what ``plait-train plan`` prints and what tests
+    compare between a dry run and the ranks); the fields with module references are for the flow.
+    """
+
+    strategy: str
+    """``fsdp2``, ``ddp`` or ``megatron_fsdp``."""
+    sizes: tuple[tuple[str, int], ...]
+    """Mesh axes larger than 1, in mesh order."""
+    tp_plan: Mapping[str, ParallelStyle] = field(default_factory=lambda: MappingProxyType({}))
+    """The TP plan to apply (empty without TP)."""
+    tp_plan_source: str | None = None
+    """Where it came from: config, sidecar, registry, Hugging Face or the default plan."""
+    sequence_parallel: bool = False
+    async_tp: bool = False
+    cp_attention: str | None = None
+    """The context-parallel variant, None without CP."""
+    moe_blocks: tuple[MoEBlockInfo, ...] = ()
+    """The MoE blocks expert parallel shards (empty without EP)."""
+    ac_mode: str | None = None
+    """``full`` or ``selective``; None without activation checkpointing."""
+    ac_scope: tuple[str, ...] = ()
+    ac_whole_layer: bool = False
+    ac_save_inside: tuple[str, ...] = ()
+    """Modules (routers) whose ops checkpointing saves instead of recomputing."""
+    layer_groups: tuple[LayerGroup, ...] = ()
+    frozen_modules: tuple[str, ...] = ()
+    """Fully frozen multimodal towers and projectors."""
+    ignored_params: frozenset[nn.Parameter] = frozenset()
+    """Parameters no FSDP unit shards (frozen towers under ``replicate``)."""
+    layer_reshard_after_forward: bool | int | None = None
+    """The explicit value the layer units get (None = the per-unit default)."""
+    fsdp_units: tuple[FSDPUnit, ...] = ()
+    """Every FSDP unit, in the order the flow creates them; empty when nothing is sharded."""
+    pipeline_stage: bool = False
+    compile: bool = False
+
+    @property
+    def tp(self) -> bool:
+        """Tensor parallel applies."""
+        return bool(self.tp_plan)
+
+    @property
+    def cp(self) -> bool:
+        """Context parallel applies."""
+        return self.cp_attention is not None
+
+    @property
+    def ep(self) -> bool:
+        """Expert parallel applies."""
+        return bool(self.moe_blocks)
+
+    @property
+    def shard(self) -> bool:
+        """FSDP units are created."""
+        return bool(self.fsdp_units)
+
+    def describe(self) -> dict[str, Any]:
+        """Every decision as plain values (styles by their repr), identical on every rank of a stage."""
+        return {
+            "strategy": self.strategy,
+            "sizes": dict(self.sizes),
+            "tp_plan": {pattern: _style_text(style) for pattern, style in self.tp_plan.items()},
+            "tp_plan_source": self.tp_plan_source,
+            "sequence_parallel": self.sequence_parallel,
+            "async_tp": self.async_tp,
+            "cp_attention": self.cp_attention,
+            "moe_blocks": [b.fqn for b in self.moe_blocks],
+            "activation_checkpointing": self.ac_mode,
+            "ac_scope": list(self.ac_scope),
+            "ac_whole_layer": self.ac_whole_layer,
+            "ac_save_inside": list(self.ac_save_inside),
+            "layer_groups": [f"{g.path} ({g.kind}, {len(g.layers)} layers)" for g in self.layer_groups],
+            "frozen_modules": list(self.frozen_modules),
+            "fsdp_units": [
+                f"{u.name} [{u.role}, {u.mesh}, reshard={u.reshard_after_forward}]" for u in self.fsdp_units
+            ],
+            "pipeline_stage": self.pipeline_stage,
+            "compile": self.compile,
+        }
+
+    def text(self) -> str:
+        """The plan as indented lines (``plait-train plan``)."""
+        lines = ["parallel plan:"]
+        for key, value in self.describe().items():
+            if isinstance(value, dict) and value:
+                lines.append(f"  {key}:")
+                lines.extend(f"    {k}: {v}" for k, v in value.items())
+            elif isinstance(value, list) and value:
+                lines.append(f"  {key}:")
+                lines.extend(f"    {item}" for item in value)
+            elif value not in (None, False, [], {}):
+                lines.append(f"  {key}: {value}")
+        return "\n".join(lines)
+
+
+def _style_text(style: ParallelStyle) -> str:
+    fields = {k: v for k, v in vars(style).items() if not k.startswith("_")}
+    return f"{type(style).__name__}({', '.join(f'{k}={v}' for k, v in sorted(fields.items()))})"
+
+
+def _features(model: nn.Module) -> list[str]:
+    """The model features the combination table reads: MoE blocks, multimodal towers."""
+    found = []
+    if any(isinstance(getattr(m, "experts", None), nn.Module) for m in model.modules()):
+        found.append("moe")
+    if find_multimodal_modules(model):
+        found.append("multimodal")
+    return found
+
+
+def plan_parallelism(
+    model: nn.Module,
+    mesh_context: MeshContext,
+    sidecar: ModelParallelizer | None = None,
+    *,
+    stage_of: ParallelPlan | None = None,
+) -> ParallelPlan:
+    """Decide everything `parallelize_model` will do to ``model``; change nothing, call no collective.
+
+    Args:
+        model: The plain model (or one pipeline stage of it).
+        mesh_context: The meshes and configs.
+        sidecar: The model's sidecar; default `get_model_parallelizer(model)`.
+        stage_of: The whole model's plan when ``model`` is one pipeline stage: its TP plan is filtered
+            to the modules the stage holds instead of being resolved again.
+
+    Raises:
+        ValueError / TypeError: every refusal of the flow, naming the setting and the fix.
+    """
+    if sidecar is None:
+        from plait.sidecar.resolution import get_model_parallelizer
+
+        sidecar = get_model_parallelizer(model)
+    strategy = strategy_name(mesh_context.strategy_config)
+    check_combination(context_request(mesh_context, features=_features(model)))
+    if strategy != "ddp" and mesh_context.device_mesh is None:
+        raise ValueError(
+            f"{strategy} needs mesh_context.device_mesh, got None; build the context with "
+            "MeshContext.build(config, sizes) or MeshContext.from_meshes(device_mesh)."
+        )
+    blocks = tuple(check_expert_parallel(model, mesh_context))
+    plan = ParallelPlan(
+        strategy=strategy,
+        sizes=_sizes(mesh_context),
+        pipeline_stage=stage_of is not None,
+        moe_blocks=blocks,
+        **_tp_decisions(model, mesh_context, sidecar, blocks, stage_of),
+        **_cp_decisions(model, mesh_context),
+        **_ac_decisions(model, mesh_context, sidecar, blocks),
+    )
+    if strategy == "fsdp2":
+        plan = dataclasses.replace(plan, **_fsdp_decisions(model, mesh_context, plan))
+    return sidecar._adjust_plan(model, mesh_context, plan)
+
+
+def compile_requested(mesh_context: MeshContext) -> bool:
+    """Whether the flow compiles the layers: FSDP2 with ``enable_compile``, or async TP at tp > 1."""
+    cfg = mesh_context.strategy_config
+    if not isinstance(cfg, FSDP2Config) or mesh_context.device_mesh is None:
+        return False
+    return cfg.enable_compile or (cfg.enable_async_tensor_parallel and mesh_context.tp_size > 1)
+
+
+def _sizes(mesh_context: MeshContext) -> tuple[tuple[str, int], ...]:
+    sizes = []
+    for mesh in (mesh_context.device_mesh, mesh_context.moe_mesh):
+        if mesh is None:
+            continue
+        for name, size in zip(mesh.mesh_dim_names or (), mesh.mesh.shape, strict=True):
+            if size > 1 and name not in dict(sizes):
+                sizes.append((name, int(size)))
+    return tuple(sizes)
+
+
+def _tp_decisions(
+    model: nn.Module,
+    mesh_context: MeshContext,
+    sidecar: ModelParallelizer,
+    blocks: tuple[MoEBlockInfo, ...],
+    stage_of: ParallelPlan | None,
+) -> dict[str, Any]:
+    """The TP plan and its source, validated against the heads and the MoE blocks (tp 1: nothing)."""
+    if mesh_context.tp_size == 1:
+        return {}
+    cfg = mesh_context.strategy_config
+    sidecar._validate_tp_mesh(model, mesh_context.tp_mesh())
+    sp = bool(getattr(cfg, "sequence_parallel", False))
+    if stage_of is not None:
+        plan, source = (
+            _stage_entries(stage_of.tp_plan, model),
+            f"{stage_of.tp_plan_source} (this stage's entries)",
+        )
+    else:
+        plan, source = resolve_tp_plan_with_source(
+            model,
+            plan=cfg.tp_plan,
+            sequence_parallel=sp,
+            tp_size=mesh_context.tp_size,
+            model_plan=sidecar.tp_plan,
+            finalize=sidecar._finalize_tp_plan,
+        )
+        # The model's own default plan (Hugging Face's) may shard experts; under ep > 1 EP owns them.
+        default = source in _MODEL_DEFAULT_SOURCES and not sidecar._finalizes_tp_plan()
+        plan = validate_moe_tp_plan(model, plan, blocks, model_default=default)
+    return {
+        "tp_plan": MappingProxyType(dict(plan)),
+        "tp_plan_source": source,
+        "sequence_parallel": sp,
+        "async_tp": bool(getattr(cfg, "enable_async_tensor_parallel", False)),
+    }
+
+
+def _stage_entries(plan: Mapping[str, ParallelStyle], stage: nn.Module) -> dict[str, ParallelStyle]:
+    """The entries of the whole model's plan that match a module this stage really holds."""
+    held = [fqn for fqn, m in stage.named_modules() if fqn and type(m).__name__ != "PrunedModule"]
+    return {pattern: style for pattern, style in plan.items() if any(fnmatchcase(f, pattern) for f in held)}
+
+
+def _cp_decisions(model: nn.Module, mesh_context: MeshContext) -> dict[str, Any]:
+    if mesh_context.cp_size == 1:
+        return {}
+    check_context_parallel_model(model)
+    return {"cp_attention": mesh_context.strategy_config.cp_attention}
+
+
+def _ac_decisions(
+    model: nn.Module, mesh_context: MeshContext, sidecar: ModelParallelizer, blocks: tuple[MoEBlockInfo, ...]
+) -> dict[str, Any]:
+    """Checkpointing mode, scope and save list, and the layer groups (the FSDP2 flow always needs them)."""
+    mode = mesh_context.activation_checkpointing
+    strategy = strategy_name(mesh_context.strategy_config)
+    needs_groups = bool(mode) or strategy == "fsdp2"
+    decisions: dict[str, Any] = {
+        "layer_groups": tuple(discover_layer_groups(model, sidecar.layer_group_paths)) if needs_groups else ()
+    }
+    if mode:
+        scope = getattr(mesh_context.strategy_config, "activation_checkpointing_scope", "all")
+        decisions |= {
+            "ac_mode": "full" if mode is True else str(mode),
+            "ac_scope": (scope,) if isinstance(scope, str) else tuple(scope),
+            "ac_whole_layer": bool(sidecar._use_full_layer_activation_checkpointing(model)),
+            "ac_save_inside": tuple(routers_to_save(list(blocks), mesh_context)),
+        }
+    return decisions
+
+
+def _fsdp_decisions(model: nn.Module, mesh_context: MeshContext, plan: ParallelPlan) -> dict[str, Any]:
+    """Frozen towers, compile, and the FSDP units in creation order (none on one unsharded rank)."""
+    cfg: FSDP2Config = mesh_context.strategy_config
+    frozen = find_frozen_multimodal_modules(model)
+    ignored = frozen_multimodal_ignored_params(frozen, cfg.frozen_multimodal_sharding)
+    decisions: dict[str, Any] = {
+        "frozen_modules": tuple(frozen),
+        "ignored_params": frozenset(ignored),
+        "compile": compile_requested(mesh_context),
+    }
+    if mesh_context.fsdp_mesh().size() == 1 and mesh_context.tp_size == 1:
+        return decisions
+    stage = plan.pipeline_stage
+    explicit = moe_reshard_after_forward(mesh_context)
+    experts = [
+        FSDPUnit(
+            (b.experts_fqn,),
+            "experts",
+            unit_reshard_after_forward(
+                "experts",
+                explicit=explicit,
+                pipeline_stage=stage,
+                replays_ops=replays_ops_in_layers(mesh_context),
+            ),
+            mesh="ep_shard",
+        )
+        for b in plan.moe_blocks
+    ]
+    layer_explicit = False if explicit is None and stage else explicit
+    layers = plan_layer_units(
+        model,
+        reshard_after_forward=layer_explicit,
+        frozen_multimodal_sharding=cfg.frozen_multimodal_sharding,
+        ignored_params=ignored,
+        exclude=[b.experts for b in plan.moe_blocks],
+    )
+    units = [*experts, *layers, *_head_unit(model, mesh_context)]
+    input_reshard = unit_reshard_after_forward(
+        "input_embedding", explicit=cfg.reshard_after_forward, pipeline_stage=stage
+    )
+    units += plan_untied_embedding_units(
+        model,
+        [fqn for u in units for fqn in u.modules],
+        input_reshard_after_forward=bool(input_reshard),
+        layer_groups=plan.layer_groups,
+    )
+    units += _outer_units(model, mesh_context, units)
+    return decisions | {"fsdp_units": tuple(units), "layer_reshard_after_forward": layer_explicit}
+
+
+def _head_unit(model: nn.Module, mesh_context: MeshContext) -> list[FSDPUnit]:
+    head = moe_head(model, mesh_context)
+    if head is None:
+        return []
+    fqn = next(name for name, m in model.named_modules() if m is head)
+    return [FSDPUnit((fqn,), "head", unit_reshard_after_forward("head"))]
+
+
+def _outer_units(model: nn.Module, mesh_context: MeshContext, inner: list[FSDPUnit]) -> list[FSDPUnit]:
+    """The root unit, or (``MoEConfig.wrap_outer_model=False``) one unit per top-level child with parameters."""
+    if wraps_root(mesh_context):
+        return [FSDPUnit(("",), "root", unit_reshard_after_forward("root"))]
+    taken = {fqn for u in inner for fqn in u.modules}
+    return [
+        FSDPUnit((name,), "child", unit_reshard_after_forward("child"))
+        for name, child in model.named_children()
+        if name not in taken and any(True for _ in child.parameters())
+    ]
