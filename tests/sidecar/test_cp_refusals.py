@@ -1,4 +1,4 @@
-"""parallelize_model refuses context parallel with what is not built, before any strategy runs."""
+"""parallelize_model refuses context parallel with what is not built (the combination table), before any strategy runs."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import pytest
 
 from plait.mesh import FSDP2Config, MegatronFSDPConfig, MeshContext, ParallelismSizes
 from plait.sidecar import parallelize_model
-from tests.cp._cp_parity import build_model
+from plait.testing import cp_decoder
 
 
 @pytest.mark.parametrize(
     ("config", "sizes", "match"),
     [
-        (MegatronFSDPConfig(), {}, "built for FSDP2 only, got MegatronFSDPConfig"),
-        (FSDP2Config(mp_policy=None), {"ep_size": 2}, "with ep_size=2 is not built"),
+        (MegatronFSDPConfig(), {}, "Megatron-FSDP does not support cp_size=2: .*FSDP2 flow only"),
+        (FSDP2Config(mp_policy=None), {"ep_size": 2}, "cp_size=2 with ep_size=2 is not supported"),
     ],
 )
 def test_unbuilt_combinations_are_refused(fake_pg, config, sizes, match) -> None:
@@ -21,4 +21,4 @@ def test_unbuilt_combinations_are_refused(fake_pg, config, sizes, match) -> None
     with fake_pg(4):
         ctx = MeshContext.build(config, ParallelismSizes(cp_size=2, **sizes))
         with pytest.raises(ValueError, match=match):
-            parallelize_model(build_model("llama"), ctx)
+            parallelize_model(cp_decoder("llama"), ctx)

@@ -1,4 +1,4 @@
-"""parallelize_megatron_fsdp: package loading, API check, config translation, unit modules, TP-only path.
+"""shard_megatron_fsdp: package loading, API check, config translation, unit modules, one-rank path.
 
 Sharding itself runs inside the megatron-fsdp package on CUDA; these tests check everything plait does
 around it on CPU, against the real package when it imports and against stand-ins of both API generations.
@@ -6,11 +6,9 @@ around it on CPU, against the real package when it imports and against stand-ins
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import inspect
 import sys
-import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,80 +16,20 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 from plait.mesh import MegatronFSDPConfig, MeshContext, ParallelismSizes
 from plait.models import MoEDecoder, MoEDecoderConfig, MoEDecoderLayer
-from plait.strategies import parallelize_megatron_fsdp
+from plait.strategies import check_megatron_fsdp, shard_megatron_fsdp
 from plait.strategies._megatron_api import load_api, resolve_unit_modules, translate_config
-from tests.strategies._hooks import Hooks
+from tests.strategies._megatron_stand_in import COMMON, CURRENT, LEGACY, Policy, stand_in
 
 _HAS_MEGATRON = importlib.util.find_spec("megatron_fsdp") is not None
-_COMMON = [
-    "module",
-    "device_mesh",
-    "dp_shard_dim",
-    "tp_dim",
-    "fsdp_unit_modules",
-    "zero_dp_strategy",
-    "device",
-    "init_model_with_meta_device",
-    "overlap_grad_reduce",
-    "overlap_param_gather",
-    "average_in_collective",
-    "disable_bucketing",
-    "calculate_per_token_loss",
-    "keep_fp8_transpose_cache",
-    "nccl_ub",
-    "fsdp_double_buffer",
-]
-
-
-@dataclasses.dataclass
-class _Policy:
-    main_params_dtype: torch.dtype | None = torch.float32
-    main_grads_dtype: torch.dtype | None = None
-    grad_comm_dtype: torch.dtype | None = None
-
-
-def _stand_in(version: str, params: list[str], calls: list[dict[str, Any]]) -> types.ModuleType:
-    """A fake ``megatron_fsdp`` whose entry points have exactly ``params`` and record their calls."""
-
-    def entry(**kwargs: Any) -> Any:
-        calls.append(
-            {
-                **kwargs,
-                "tp_applied": isinstance(kwargs["module"].model.layers[0].self_attn.q_proj.weight, DTensor),
-            }
-        )
-        return (kwargs["module"], kwargs["optimizer"]) if "optimizer" in kwargs else kwargs["module"]
-
-    signature = inspect.Signature([inspect.Parameter(p, inspect.Parameter.KEYWORD_ONLY) for p in params])
-    module = types.ModuleType("megatron_fsdp")
-    module.__version__ = version
-    module.MixedPrecisionPolicy = _Policy
-    for name in ("fully_shard_model", "fully_shard"):
-        fn = lambda **kw: entry(**kw)  # noqa: E731
-        fn.__signature__ = signature.replace(
-            parameters=[*signature.parameters.values()]
-            + (
-                [inspect.Parameter("optimizer", inspect.Parameter.KEYWORD_ONLY)]
-                if name == "fully_shard"
-                else []
-            )
-        )
-        setattr(module, name, fn)
-    return module
-
-
-CURRENT = [*_COMMON, "mixed_precision_policy", "report_nan_in_param_grad"]
-LEGACY = [*_COMMON, "grad_reduce_in_fp32", "preserve_fp32_weights", "check_for_nan_in_grad"]
 
 
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]]]:
     recorded: list[dict[str, Any]] = []
-    monkeypatch.setitem(sys.modules, "megatron_fsdp", _stand_in("0.6.1", CURRENT, recorded))
+    monkeypatch.setitem(sys.modules, "megatron_fsdp", stand_in("0.6.1", CURRENT, recorded))
     yield recorded
 
 
@@ -111,21 +49,21 @@ def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch, fa
     with fake_pg(2):
         ctx = MeshContext.build(MegatronFSDPConfig(), ParallelismSizes())
         with pytest.raises(ImportError, match="optional megatron-fsdp package"):
-            parallelize_megatron_fsdp(model, ctx, Hooks())
+            shard_megatron_fsdp(model, ctx)
 
 
 @pytest.mark.parametrize(
     ("params", "with_optimizer", "missing"),
     [
         (["module", "device_mesh", "fsdp_unit_modules"], False, "dp_shard_dim"),
-        (_COMMON, False, "grad_reduce_in_fp32"),
+        (COMMON, False, "grad_reduce_in_fp32"),
         ([p for p in CURRENT if p != "nccl_ub"], True, "nccl_ub"),
     ],
 )
 def test_unsupported_api_names_the_version_needed(
     monkeypatch: pytest.MonkeyPatch, params: list[str], with_optimizer: bool, missing: str
 ) -> None:
-    monkeypatch.setitem(sys.modules, "megatron_fsdp", _stand_in("0.1.0", params, []))
+    monkeypatch.setitem(sys.modules, "megatron_fsdp", stand_in("0.1.0", params, []))
     with pytest.raises(
         ImportError,
         match=rf"megatron-fsdp 0.1.0 is not supported: .*lacks parameters .*'{missing}'.*"
@@ -136,9 +74,9 @@ def test_unsupported_api_names_the_version_needed(
 
 @pytest.mark.parametrize("with_optimizer", [False, True])
 def test_both_api_generations_are_recognised(monkeypatch: pytest.MonkeyPatch, with_optimizer: bool) -> None:
-    monkeypatch.setitem(sys.modules, "megatron_fsdp", _stand_in("0.3.0", LEGACY, []))
+    monkeypatch.setitem(sys.modules, "megatron_fsdp", stand_in("0.3.0", LEGACY, []))
     assert not load_api(with_optimizer=with_optimizer).policy_api
-    monkeypatch.setitem(sys.modules, "megatron_fsdp", _stand_in("0.6.1", CURRENT, []))
+    monkeypatch.setitem(sys.modules, "megatron_fsdp", stand_in("0.6.1", CURRENT, []))
     assert load_api(with_optimizer=with_optimizer).policy_api
 
 
@@ -157,16 +95,16 @@ _CONFIG = MegatronFSDPConfig(
 
 def test_translation_for_the_mixed_precision_policy_api(calls: list[dict[str, Any]]) -> None:
     kwargs = translate_config(_CONFIG, load_api(with_optimizer=False))
-    assert kwargs["mixed_precision_policy"] == _Policy(torch.float32, torch.float32, torch.float32)
+    assert kwargs["mixed_precision_policy"] == Policy(torch.float32, torch.float32, torch.float32)
     assert kwargs["report_nan_in_param_grad"] is False
     assert kwargs["zero_dp_strategy"] == 2 and kwargs["init_model_with_meta_device"] is True
     assert kwargs["overlap_param_gather"] is False and kwargs["fsdp_double_buffer"] is True
     defaults = translate_config(MegatronFSDPConfig(), load_api(with_optimizer=False))
-    assert defaults["mixed_precision_policy"] == _Policy(None, None, None)
+    assert defaults["mixed_precision_policy"] == Policy(None, None, None)
 
 
 def test_translation_for_the_flag_api(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "megatron_fsdp", _stand_in("0.3.0", LEGACY, []))
+    monkeypatch.setitem(sys.modules, "megatron_fsdp", stand_in("0.3.0", LEGACY, []))
     kwargs = translate_config(_CONFIG, load_api(with_optimizer=False))
     assert "mixed_precision_policy" not in kwargs
     assert (
@@ -280,7 +218,7 @@ def test_no_unit_modules_fails_before_touching_the_model(calls: list[dict[str, A
     with fake_pg(2):
         ctx = MeshContext.build(MegatronFSDPConfig(), ParallelismSizes())
         with pytest.raises(ValueError, match=r"set MegatronFSDPConfig\.unit_modules"):
-            parallelize_megatron_fsdp(model, ctx, Hooks())
+            shard_megatron_fsdp(model, ctx)
     assert not calls
 
 
@@ -288,28 +226,22 @@ def test_no_unit_modules_fails_before_touching_the_model(calls: list[dict[str, A
 
 
 @pytest.mark.parametrize(
-    ("sizes", "shard_dim", "tp_applied"),
-    [
-        (ParallelismSizes(), "dp", False),
-        (ParallelismSizes(cp_size=2), "dp_cp", False),
-        (ParallelismSizes(tp_size=2), "dp", True),
-    ],
+    ("sizes", "shard_dim"), [(ParallelismSizes(), "dp"), (ParallelismSizes(cp_size=2), "dp_cp")]
 )
-def test_flow_calls_the_package_after_tp_and_trainability(
-    calls: list[dict[str, Any]], fake_pg: Any, sizes: ParallelismSizes, shard_dim: str, tp_applied: bool
+def test_the_package_is_called_with_the_mesh_units_and_options(
+    calls: list[dict[str, Any]], fake_pg: Any, sizes: ParallelismSizes, shard_dim: str
 ) -> None:
-    model, order = _model(), []
-    config = MegatronFSDPConfig(zero_dp_strategy=2, tp_plan={"model.layers.*.self_attn.q_proj": "colwise"})
+    model = _model()
     with fake_pg(4):
-        ctx = MeshContext.build(config, sizes)
-        ctx = MeshContext.build(config, sizes, reapply_trainability=lambda m: order.append(len(calls)))
-        out = parallelize_megatron_fsdp(model, ctx, Hooks())
-    assert out is model and order == [0] and len(calls) == 1
+        ctx = MeshContext.build(MegatronFSDPConfig(zero_dp_strategy=2), sizes)
+        check_megatron_fsdp(model, ctx)  # the plan's check: nothing called yet
+        assert not calls
+        out = shard_megatron_fsdp(model, ctx)
+    assert out is model and len(calls) == 1
     call = calls[0]
     assert call["dp_shard_dim"] == shard_dim and call["tp_dim"] == "tp"
     assert call["device_mesh"] is ctx.device_mesh and call["device"] == torch.device("cpu")
     assert call["fsdp_unit_modules"] == [MoEDecoderLayer] and call["zero_dp_strategy"] == 2
-    assert call["tp_applied"] is tp_applied
 
 
 def test_optimizer_is_sharded_too(calls: list[dict[str, Any]], fake_pg: Any) -> None:
@@ -317,31 +249,15 @@ def test_optimizer_is_sharded_too(calls: list[dict[str, Any]], fake_pg: Any) -> 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with fake_pg(2):
         ctx = MeshContext.build(MegatronFSDPConfig(), ParallelismSizes())
-        out = parallelize_megatron_fsdp(model, ctx, Hooks(), optimizer=optimizer)
+        out = shard_megatron_fsdp(model, ctx, optimizer=optimizer)
     assert out == (model, optimizer) and calls[0]["optimizer"] is optimizer
-
-
-def test_single_data_parallel_rank_applies_tp_only(monkeypatch: pytest.MonkeyPatch, fake_pg: Any) -> None:
-    monkeypatch.setitem(sys.modules, "megatron_fsdp", None)  # not needed: nothing to shard
-    model = _model()
-    config = MegatronFSDPConfig(tp_plan={"model.layers.*.self_attn.q_proj": "colwise"})
-    with fake_pg(2):
-        ctx = MeshContext.build(config, ParallelismSizes(tp_size=2))
-        with pytest.warns(
-            UserWarning, match=r"dp=1, cp=1: one data-parallel rank, nothing to shard; applied TP \(tp=2\)"
-        ):
-            out = parallelize_megatron_fsdp(model, ctx, Hooks())
-    assert out is model
-    assert isinstance(model.model.layers[1].self_attn.q_proj.weight, DTensor)
 
 
 def test_wrong_config_type() -> None:
     with pytest.raises(TypeError, match="needs a MegatronFSDPConfig, got DDPConfig"):
         from plait.mesh import DDPConfig
 
-        parallelize_megatron_fsdp(
-            nn.Linear(2, 2), MeshContext(device_mesh=None, strategy_config=DDPConfig()), Hooks()
-        )
+        shard_megatron_fsdp(nn.Linear(2, 2), MeshContext(device_mesh=None, strategy_config=DDPConfig()))
 
 
 @pytest.mark.skipif(
@@ -371,9 +287,7 @@ def _gpu_parity(rank: int) -> None:
         par = MoEDecoder(cfg).cuda()
         par.load_state_dict(ref.state_dict())
         ctx = MeshContext.build(MegatronFSDPConfig(), ParallelismSizes(), device_type="cuda")
-        par, opt = parallelize_megatron_fsdp(
-            par, ctx, Hooks(), optimizer=torch.optim.SGD(par.parameters(), lr=0.5)
-        )
+        par, opt = shard_megatron_fsdp(par, ctx, optimizer=torch.optim.SGD(par.parameters(), lr=0.5))
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
         batch = global_batch(cfg.vocab_size, 2).cuda()
         for _ in range(2):
@@ -394,7 +308,5 @@ def test_mesh_without_dp_axis_is_rejected(calls: list[dict[str, Any]], fake_pg: 
         with pytest.raises(
             ValueError, match=r"dims from \('dp', 'cp', 'tp'\) including 'dp', got \['dp_shard', 'tp'\]"
         ):
-            parallelize_megatron_fsdp(
-                _model(), MeshContext(device_mesh=mesh, strategy_config=MegatronFSDPConfig()), Hooks()
-            )
+            shard_megatron_fsdp(_model(), MeshContext(device_mesh=mesh, strategy_config=MegatronFSDPConfig()))
     assert not calls

@@ -1,4 +1,8 @@
-"""The expert-parallel steps refuse bad setups before touching the model, naming the value and the fix."""
+"""The expert-parallel checks refuse bad setups before touching the model, naming the value and the fix.
+
+``check_expert_parallel`` and ``validate_moe_tp_plan`` are what the plan calls; combinations expert
+parallel does not build with (sequence parallel, async TP, DDP) are refused by the combination table.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +15,21 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from plait.mesh import FSDP2Config, MeshContext, MoEConfig, ParallelismSizes
+from plait.mesh import (
+    FSDP2Config,
+    MeshContext,
+    MoEConfig,
+    ParallelismSizes,
+    check_combination,
+    context_request,
+)
 from plait.models import GroupedExperts, MoEDecoder, MoEDecoderConfig
-from plait.strategies import ExpertParallel, apply_expert_parallel, validate_moe_tp_plan
+from plait.strategies import (
+    ExpertParallel,
+    apply_expert_parallel,
+    check_expert_parallel,
+    validate_moe_tp_plan,
+)
 
 
 def _untouched(model: nn.Module) -> bool:
@@ -30,9 +46,11 @@ def _moe(
 ) -> None:
     with fake_pg(world):
         ctx = MeshContext.build(config, ParallelismSizes(**sizes), moe_config=moe)
+        check_combination(context_request(ctx, features=["moe"]))
+        blocks = check_expert_parallel(model, ctx)
         if config.tp_plan is not None:
-            validate_moe_tp_plan(model, config.tp_plan, ctx)
-        apply_expert_parallel(model, ctx)
+            validate_moe_tp_plan(model, config.tp_plan, blocks)
+        apply_expert_parallel(blocks, ctx.ep_mesh())
 
 
 def test_experts_not_divisible_by_ep(fake_pg: Any) -> None:
@@ -71,7 +89,7 @@ def test_ep_must_tile_dp_cp_tp(
         moe_mesh = init_device_mesh("cpu", moe, mesh_dim_names=("ep_shard", "ep"))
         ctx = MeshContext.from_meshes(device_mesh, moe_mesh, strategy_config=FSDP2Config(mp_policy=None))
         with pytest.raises(ValueError, match=message):
-            apply_expert_parallel(model, ctx)
+            check_expert_parallel(model, ctx)
     assert _untouched(model)
 
 
@@ -97,12 +115,12 @@ def test_model_default_plan_drops_expert_and_router_entries_but_refuses_mixed_pa
     default = attention | {"model.layers.*.mlp.experts": "colwise", "model.layers.*.mlp.router": "replicate"}
     with fake_pg(4):
         ctx = MeshContext.build(FSDP2Config(mp_policy=None), ParallelismSizes(tp_size=2, ep_size=2))
-        assert validate_moe_tp_plan(model, default, ctx, model_default=True) == attention
+        blocks = check_expert_parallel(model, ctx)
+        assert validate_moe_tp_plan(model, default, blocks, model_default=True) == attention
         with pytest.raises(ValueError, match=r"'model.layers.1.\*' .*router .* pass a tp_plan without it"):
-            validate_moe_tp_plan(model, {"model.layers.1.*": "colwise"}, ctx, model_default=True)
-        one = MeshContext.build(FSDP2Config(mp_policy=None), ParallelismSizes(tp_size=2))
+            validate_moe_tp_plan(model, {"model.layers.1.*": "colwise"}, blocks, model_default=True)
         assert (
-            validate_moe_tp_plan(model, default, one, model_default=True) == default
+            validate_moe_tp_plan(model, default, [], model_default=True) == default
         )  # ep 1: TP shards experts
 
 
@@ -112,7 +130,7 @@ def test_model_default_plan_drops_expert_and_router_entries_but_refuses_mixed_pa
 )
 def test_sequence_parallel_and_async_tp_are_rejected(fake_pg: Any, options: dict[str, bool]) -> None:
     model = MoEDecoder(MoEDecoderConfig())
-    with pytest.raises(ValueError, match="MoE models do not support sequence_parallel=True"):
+    with pytest.raises(ValueError, match="sequence_parallel=True with ep_size=2 is not supported"):
         _moe(fake_pg, 4, model, FSDP2Config(mp_policy=None, **options), tp_size=2, ep_size=2)
     assert _untouched(model)
 
@@ -172,7 +190,7 @@ def test_resharding_experts_under_selective_checkpointing_is_rejected(fake_pg: A
             activation_checkpointing="selective",
         )
         with pytest.raises(ValueError, match=r"MoEConfig.reshard_after_forward=True .*selective"):
-            apply_expert_parallel(model, ctx)
+            check_expert_parallel(model, ctx)
     assert _untouched(model)
 
 
@@ -183,6 +201,6 @@ def test_ep_on_ddp_is_rejected(fake_pg: Any) -> None:
     with fake_pg(4):
         ctx = MeshContext.build(FSDP2Config(mp_policy=None), ParallelismSizes(ep_size=2))
         ddp = MeshContext(device_mesh=None, moe_mesh=ctx.moe_mesh, strategy_config=DDPConfig())
-        with pytest.raises(TypeError, match=r"expert parallelism \(ep_size=2\) needs FSDP2Config"):
-            apply_expert_parallel(model, ddp)
+        with pytest.raises(ValueError, match=r"DDP does not support ep_size=2"):
+            check_combination(context_request(ddp, features=["moe"]))
     assert _untouched(model)

@@ -13,8 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from plait.mesh import MoEConfig, normalize_strategy_name
-from plait.mesh import from_dict
+from plait.mesh import MoEConfig, from_dict, normalize_strategy_name
 
 __all__ = [
     "CheckpointConfig",

@@ -39,15 +39,15 @@ def pipeline_config(recipe: Recipe) -> PipelineConfig | None:
 
 
 def check_pipeline_recipe(recipe: Recipe) -> None:
-    """Everything about pipeline parallel that needs no process group (every rank, before any collective)."""
+    """The recipe's pipeline settings and stage split, before any collective (every rank).
+
+    Strategies and models pipeline stages do not build with are refused by the combination table
+    (``plan_meshes`` and the plan), with the same line as a run.
+    """
     config = pipeline_config(recipe)
     if config is None:
         return
     p = recipe.parallel
-    if p.strategy != "fsdp2":
-        raise ValueError(f"parallel.pp_size {p.pp_size} needs parallel.strategy 'fsdp2', got {p.strategy!r}")
-    if recipe.model.source == "vlm":
-        raise ValueError("parallel.pp_size > 1 splits decoders only; model.source 'vlm' is not supported")
     if recipe.checkpoint.export:
         raise ValueError(
             "checkpoint.export with parallel.pp_size > 1 is not supported (each stage holds part of the "

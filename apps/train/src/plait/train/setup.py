@@ -16,10 +16,12 @@ from plait.mesh import (
     MoEConfig,
     ParallelismSizes,
     StrategyConfig,
+    check_combination,
+    combination_request,
     plan_meshes,
     strategy_config_from_dict,
 )
-from plait.sidecar import parallelize_model
+from plait.sidecar import model_features, parallelize_model
 from plait.train.checks import check_data, check_devices, check_vocabulary
 from plait.train.config import Recipe
 from plait.train.errors import phase
@@ -75,7 +77,8 @@ def check_recipe(recipe: Recipe, world_size: int, *, devices: bool = True) -> St
     ``devices=False`` skips the checks of this machine's GPUs (``plan`` lays out another cluster).
 
     Raises:
-        ValueError / TypeError: an impossible mesh for ``world_size``, a strategy option plait.mesh
+        ValueError / TypeError: an impossible mesh for ``world_size``, a combination the combination
+            table refuses (the same line the ranks' plan would give), a strategy option plait.mesh
             rejects, expert parallel on a dense model, a data glob that matches nothing, a model whose
             vocabulary cannot hold the tokens, a CUDA-only setting on a machine without GPUs.
     """
@@ -85,6 +88,16 @@ def check_recipe(recipe: Recipe, world_size: int, *, devices: bool = True) -> St
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan_meshes(config, parallelism_sizes(recipe), world_size=world_size)
+    check_combination(
+        combination_request(
+            config,
+            parallelism_sizes(recipe).resolve(
+                world_size, allow_pure_replication=recipe.parallel.strategy != "fsdp2"
+            ),
+            activation_checkpointing=recipe.parallel.activation_checkpointing,
+            features=model_features(build_model(recipe.model, "meta")),
+        )
+    )
     if recipe.parallel.ep_size > 1 and recipe.model.source not in ("moe", "hf"):
         raise ValueError(
             f"parallel.ep_size {recipe.parallel.ep_size} needs an MoE model (model.source: moe or an hf MoE "

@@ -41,10 +41,13 @@ def check_context_parallel_model(model: nn.Module) -> None:
     _find_attention(model)
 
 
-def apply_context_parallel(model: nn.Module, mesh_context: MeshContext) -> nn.Module:
+def apply_context_parallel(
+    model: nn.Module, mesh_context: MeshContext, *, variant: str | None = None
+) -> nn.Module:
     """Make every attention of ``model`` attend over the cp-sharded sequence (no-op when cp is 1).
 
-    Inputs must then be split with `plait.cp.shard_sequence` and the forward given its
+    ``variant`` is the plan's CP attention (default: the config's ``cp_attention``). Inputs must then
+    be split with `plait.cp.shard_sequence` and the forward given its
     ``position_ids``; a forward without them, with a padding ``attention_mask``, ``labels`` (the
     model would shift them across chunk boundaries) or a KV cache is refused before it runs.
 
@@ -55,7 +58,7 @@ def apply_context_parallel(model: nn.Module, mesh_context: MeshContext) -> nn.Mo
     mesh = cp_mesh(mesh_context)
     if mesh is None:
         return model
-    attention = ContextParallelAttention(mesh, mesh_context.strategy_config.cp_attention)
+    attention = ContextParallelAttention(mesh, variant or mesh_context.strategy_config.cp_attention)
     fn_modules, hf_models = _find_attention(model)
     for module in fn_modules:
         module.attention_fn = attention

@@ -126,7 +126,7 @@ def _check_every_parameter_owned(model: nn.Module, parts: DecoderParts) -> None:
         raise ValueError(
             f"pipeline_model cannot place parameters {orphans[:4]} of {type(model).__name__}: only the "
             f"embedding ({parts.embedding}), the layers ({parts.layers}), the final norm ({parts.norm}) "
-            "and the head ({parts.head}) are assigned to stages."
+            f"and the head ({parts.head}) are assigned to stages."
         )
 
 

@@ -2,7 +2,7 @@
 
 from plait.sidecar.compile import compile_layers, compile_parallelized_model
 from plait.sidecar.parallelizer import ModelParallelizer
-from plait.sidecar.plan import ParallelPlan, compile_requested, plan_parallelism
+from plait.sidecar.plan import ParallelPlan, compile_requested, model_features, plan_parallelism
 from plait.sidecar.resolution import (
     get_model_parallelizer,
     get_parallel_plan,
@@ -18,6 +18,7 @@ __all__ = [
     "compile_requested",
     "get_model_parallelizer",
     "get_parallel_plan",
+    "model_features",
     "parallelize_model",
     "plan_parallelism",
     "register_model_parallelizer",

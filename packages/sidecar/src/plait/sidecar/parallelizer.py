@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -23,11 +23,11 @@ from plait.sidecar.compile import compile_layers
 from plait.sidecar.plan import ParallelPlan, plan_parallelism
 from plait.strategies import (
     apply_expert_parallel,
-    parallelize_ddp,
-    parallelize_megatron_fsdp,
     shard_experts,
+    shard_megatron_fsdp,
     shard_moe_lm_head,
     shard_top_children,
+    wrap_ddp,
 )
 from plait.tp import apply_tp, enable_async_tp, validate_tp_mesh
 
@@ -62,25 +62,15 @@ class ModelParallelizer:
 
     def parallelize(self, model: nn.Module, mesh_context: MeshContext, /) -> nn.Module:
         """Apply every requested parallelism and return the parallelized model."""
-        return self.apply_plan(model, mesh_context, plan_parallelism(model, mesh_context, self))
-
-    def apply_plan(self, model: nn.Module, mesh_context: MeshContext, plan: ParallelPlan) -> nn.Module:
-        """Apply ``plan`` (from `plan_parallelism`) with the strategy it names; return the model."""
-        if plan.strategy == "ddp":
-            return parallelize_ddp(model, mesh_context, self, layer_groups=plan.layer_groups)
-        if plan.strategy == "megatron_fsdp":
-            return parallelize_megatron_fsdp(
-                model, mesh_context, self, tp_plan=plan.tp_plan, layer_groups=plan.layer_groups
-            )
-        return self._apply(model, mesh_context, plan)
+        return self._apply(model, mesh_context, plan_parallelism(model, mesh_context, self))
 
     def _apply(
         self, model: nn.Module, mesh_context: MeshContext, plan: ParallelPlan | None = None
     ) -> nn.Module:
-        """The shared FSDP2 flow: gated steps over the plan, in the order docs/architecture.md gives."""
+        """The one flow, every strategy: gated steps over the plan, in the order docs/architecture.md gives."""
         plan = plan if plan is not None else plan_parallelism(model, mesh_context, self)
         if plan.cp:
-            apply_context_parallel(model, mesh_context)
+            apply_context_parallel(model, mesh_context, variant=plan.cp_attention)
         if plan.tp:
             apply_tp(
                 model, mesh_context.tp_mesh(), copy.deepcopy(dict(plan.tp_plan))
@@ -90,9 +80,13 @@ class ModelParallelizer:
         if plan.ep:
             apply_expert_parallel(plan.moe_blocks, mesh_context.ep_mesh())
         if plan.ac_mode:
-            self._checkpoint_activations(model, list(plan.layer_groups), mesh_context, *_saved(model, plan))
+            self._checkpoint_activations(model, list(plan.layer_groups), mesh_context, plan)
         if mesh_context.reapply_trainability is not None:
             mesh_context.reapply_trainability(model)
+        if plan.strategy == "ddp":
+            return wrap_ddp(model, mesh_context)
+        if plan.strategy == "megatron_fsdp":
+            return shard_megatron_fsdp(model, mesh_context)
         if plan.shard:
             model = self._shard(model, mesh_context, plan)
         if plan.compile:
@@ -221,19 +215,21 @@ class ModelParallelizer:
         model: nn.Module,
         groups: list[LayerGroup],
         mesh_context: MeshContext,
-        save_inside: Sequence[nn.Module] = (),
+        plan: ParallelPlan | None = None,
     ) -> int:
-        """Checkpoint ``groups`` per the context's mode and scope and this sidecar's whole-layer policy.
+        """Checkpoint ``groups`` as the plan says (mode, scope, whole layers, the ops saved inside routers).
 
-        Every op run inside a ``save_inside`` module (the plan's MoE routers) is saved, never recomputed.
+        Without a plan: the context's mode and scope and this sidecar's whole-layer policy.
         """
+        if plan is None:
+            plan = plan_parallelism(model, mesh_context, self)
         return apply_activation_checkpointing(
             model,
             groups,
-            mode=mesh_context.activation_checkpointing,
-            scope=mesh_context.strategy_config.activation_checkpointing_scope,
-            whole_layer=self._use_full_layer_activation_checkpointing(model),
-            save_inside=save_inside,
+            mode=plan.ac_mode or False,
+            scope=plan.ac_scope or "all",
+            whole_layer=plan.ac_whole_layer,
+            save_inside=[model.get_submodule(fqn) for fqn in plan.ac_save_inside],
         )
 
     def _adjust_plan(self, model: nn.Module, mesh_context: MeshContext, plan: ParallelPlan) -> ParallelPlan:
@@ -243,8 +239,3 @@ class ModelParallelizer:
     def _finalizes_tp_plan(self) -> bool:
         """Whether this sidecar overrides `_finalize_tp_plan` (its plan is then not the model's default)."""
         return type(self)._finalize_tp_plan is not ModelParallelizer._finalize_tp_plan
-
-
-def _saved(model: nn.Module, plan: ParallelPlan) -> tuple[list[nn.Module], ...]:
-    """The ``save_inside`` argument of the checkpointing hook, only when the plan has a save list."""
-    return ([model.get_submodule(fqn) for fqn in plan.ac_save_inside],) if plan.ac_save_inside else ()

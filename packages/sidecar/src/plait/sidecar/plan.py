@@ -10,8 +10,9 @@ trainer's ``validate`` and ``plan`` build the same object on meta tensors and a 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from types import MappingProxyType
@@ -36,6 +37,7 @@ from plait.sharding import (
 from plait.strategies import (
     MoEBlockInfo,
     check_expert_parallel,
+    check_megatron_fsdp,
     moe_head,
     moe_reshard_after_forward,
     replays_ops_in_layers,
@@ -48,7 +50,7 @@ from plait.tp import resolve_tp_plan_with_source
 if TYPE_CHECKING:
     from plait.sidecar.parallelizer import ModelParallelizer
 
-__all__ = ["ParallelPlan", "compile_requested", "plan_parallelism"]
+__all__ = ["ParallelPlan", "compile_requested", "model_features", "plan_parallelism"]
 
 _MODEL_DEFAULT_SOURCES = frozenset({"Hugging Face plan", "default Llama-style plan"})
 
@@ -157,8 +159,8 @@ def _style_text(style: ParallelStyle) -> str:
     return f"{type(style).__name__}({', '.join(f'{k}={v}' for k, v in sorted(fields.items()))})"
 
 
-def _features(model: nn.Module) -> list[str]:
-    """The model features the combination table reads: MoE blocks, multimodal towers."""
+def model_features(model: nn.Module) -> list[str]:
+    """The model features the combination table reads: ``moe`` (an experts block), ``multimodal`` (a tower)."""
     found = []
     if any(isinstance(getattr(m, "experts", None), nn.Module) for m in model.modules()):
         found.append("moe")
@@ -191,12 +193,14 @@ def plan_parallelism(
 
         sidecar = get_model_parallelizer(model)
     strategy = strategy_name(mesh_context.strategy_config)
-    check_combination(context_request(mesh_context, features=_features(model)))
+    check_combination(context_request(mesh_context, features=model_features(model)))
     if strategy != "ddp" and mesh_context.device_mesh is None:
         raise ValueError(
             f"{strategy} needs mesh_context.device_mesh, got None; build the context with "
             "MeshContext.build(config, sizes) or MeshContext.from_meshes(device_mesh)."
         )
+    if strategy == "megatron_fsdp":
+        check_megatron_fsdp(model, mesh_context)
     blocks = tuple(check_expert_parallel(model, mesh_context))
     plan = ParallelPlan(
         strategy=strategy,
@@ -208,7 +212,8 @@ def plan_parallelism(
         **_ac_decisions(model, mesh_context, sidecar, blocks),
     )
     if strategy == "fsdp2":
-        plan = dataclasses.replace(plan, **_fsdp_decisions(model, mesh_context, plan))
+        with _trainability_restored(model, mesh_context):  # the FSDP step runs after trainability
+            plan = dataclasses.replace(plan, **_fsdp_decisions(model, mesh_context, plan))
     return sidecar._adjust_plan(model, mesh_context, plan)
 
 
@@ -351,6 +356,20 @@ def _fsdp_decisions(model: nn.Module, mesh_context: MeshContext, plan: ParallelP
     )
     units += _outer_units(model, mesh_context, units)
     return decisions | {"fsdp_units": tuple(units), "layer_reshard_after_forward": layer_explicit}
+
+
+@contextlib.contextmanager
+def _trainability_restored(model: nn.Module, mesh_context: MeshContext) -> Iterator[None]:
+    """Inside, the model's ``requires_grad`` flags are as the FSDP step sees them (after
+    ``reapply_trainability``); after, they are put back: the plan changes nothing."""
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        if mesh_context.reapply_trainability is not None:
+            mesh_context.reapply_trainability(model)
+        yield
+    finally:
+        for param, flag in flags:
+            param.requires_grad_(flag)
 
 
 def _head_unit(model: nn.Module, mesh_context: MeshContext) -> list[FSDPUnit]:

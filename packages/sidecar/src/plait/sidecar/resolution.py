@@ -116,7 +116,7 @@ def parallelize_model(
         result = parallelizer.parallelize(model, mesh_context)
     else:
         plan = plan if plan is not None else plan_parallelism(model, mesh_context, parallelizer)
-        result = parallelizer.apply_plan(model, mesh_context, plan)
+        result = parallelizer._apply(model, mesh_context, plan)
         _PLANS[result] = plan
     _PARALLELIZED.add(model)
     _PARALLELIZED.add(result)

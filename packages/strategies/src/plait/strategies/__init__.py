@@ -1,10 +1,9 @@
-"""DDP, Megatron-FSDP and the expert-parallel steps of the FSDP2 flow."""
+"""The strategies' last steps (DDP, Megatron-FSDP) and the expert-parallel steps of the flow."""
 
 from plait.strategies._moe_blocks import MoEBlockInfo, find_moe_blocks
-from plait.strategies.ddp import parallelize_ddp
+from plait.strategies.ddp import wrap_ddp
 from plait.strategies.experts import ExpertParallel, experts_convention, num_experts_of
-from plait.strategies.hooks import SidecarHooks
-from plait.strategies.megatron import parallelize_megatron_fsdp
+from plait.strategies.megatron import check_megatron_fsdp, shard_megatron_fsdp
 from plait.strategies.moe import (
     apply_expert_parallel,
     check_expert_parallel,
@@ -23,15 +22,15 @@ __all__ = [
     "MoEBlockInfo",
     "find_moe_blocks",
     "ExpertParallel",
-    "SidecarHooks",
     "apply_expert_parallel",
     "check_expert_parallel",
     "experts_convention",
     "moe_reshard_after_forward",
     "moe_head",
     "num_experts_of",
-    "parallelize_ddp",
-    "parallelize_megatron_fsdp",
+    "wrap_ddp",
+    "check_megatron_fsdp",
+    "shard_megatron_fsdp",
     "replays_ops_in_layers",
     "routers_to_save",
     "shard_experts",

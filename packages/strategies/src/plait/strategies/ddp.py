@@ -1,8 +1,6 @@
-"""Plain DistributedDataParallel: the sidecar's activation checkpointing, then the DDP wrapper."""
+"""Plain DistributedDataParallel: the last step of the flow for ``DDPConfig`` (the wrapper itself)."""
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -10,10 +8,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from plait.mesh import DDPConfig, MeshContext
-from plait.sharding import LayerGroup
-from plait.strategies.hooks import SidecarHooks
 
-__all__ = ["parallelize_ddp"]
+__all__ = ["wrap_ddp"]
 
 
 def _device() -> torch.device:
@@ -23,23 +19,11 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def parallelize_ddp(
-    model: nn.Module,
-    mesh_context: MeshContext,
-    sidecar: SidecarHooks,
-    *,
-    layer_groups: Sequence[LayerGroup] = (),
-) -> nn.Module:
-    """Checkpoint the layers (the sidecar's hook), restore trainability, then wrap in DDP (world > 1).
+def wrap_ddp(model: nn.Module, mesh_context: MeshContext) -> nn.Module:
+    """Move ``model`` to the device and wrap it in DDP (world > 1); checkpointing is the flow's, before.
 
     The device comes from the default process group (NCCL: the current CUDA device; otherwise CPU).
     With one rank there is nothing to synchronise: the model is returned unwrapped.
-
-    Args:
-        model: The model; moved to the device.
-        mesh_context: Carries the :class:`DDPConfig`, the AC mode and ``reapply_trainability``.
-        sidecar: The model's sidecar (``_checkpoint_activations``).
-        layer_groups: The planned layer groups checkpointed under ``activation_checkpointing``.
 
     Returns:
         ``DistributedDataParallel(model)``, or ``model`` itself with one rank.
@@ -50,15 +34,9 @@ def parallelize_ddp(
     """
     config = mesh_context.strategy_config
     if not isinstance(config, DDPConfig):
-        raise TypeError(f"parallelize_ddp needs a DDPConfig, got {type(config).__name__}")
+        raise TypeError(f"wrap_ddp needs a DDPConfig, got {type(config).__name__}")
     if not dist.is_initialized():
-        raise ValueError(
-            "parallelize_ddp needs an initialised default process group; call plait.mesh.init_distributed()"
-        )
-    if mesh_context.activation_checkpointing:
-        sidecar._checkpoint_activations(model, list(layer_groups), mesh_context)
-    if mesh_context.reapply_trainability is not None:
-        mesh_context.reapply_trainability(model)
+        raise ValueError("DDP needs an initialised default process group; call plait.mesh.init_distributed()")
     device = _device()
     model.to(device)
     if dist.get_world_size() == 1:

@@ -1,10 +1,8 @@
-"""Megatron-FSDP: TP via plait.tp, then the ``megatron-fsdp`` package shards over the ``(dp, cp)`` ranks."""
+"""Megatron-FSDP: after the flow's TP and checkpointing, the ``megatron-fsdp`` package shards over ``(dp, cp)``."""
 
 from __future__ import annotations
 
-import copy
 import warnings
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -12,12 +10,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait.mesh import MegatronFSDPConfig, MeshContext
-from plait.sharding import LayerGroup
 from plait.strategies._megatron_api import load_api, resolve_unit_modules, translate_config
-from plait.strategies.hooks import SidecarHooks
-from plait.tp import apply_tp
 
-__all__ = ["parallelize_megatron_fsdp"]
+__all__ = ["check_megatron_fsdp", "shard_megatron_fsdp"]
 
 _DIMS = ("dp", "cp", "tp")
 
@@ -50,59 +45,53 @@ def _device_mesh(mesh_context: MeshContext) -> tuple[MegatronFSDPConfig, DeviceM
     return config, mesh_context.device_mesh
 
 
-def _apply_before_sharding(
-    model: nn.Module,
-    mesh_context: MeshContext,
-    sidecar: SidecarHooks,
-    tp_plan: Mapping[str, Any],
-    layer_groups: Sequence[LayerGroup],
-) -> None:
-    """TP, activation checkpointing and ``reapply_trainability``, in that order (all checked first)."""
-    if tp_plan:
-        apply_tp(model, mesh_context.tp_mesh(), copy.deepcopy(dict(tp_plan)))
-    if mesh_context.activation_checkpointing:
-        sidecar._checkpoint_activations(model, list(layer_groups), mesh_context)
-    if mesh_context.reapply_trainability is not None:
-        mesh_context.reapply_trainability(model)
+def _prepare(
+    model: nn.Module, mesh_context: MeshContext, *, with_optimizer: bool
+) -> tuple[Any, list[type], dict[str, Any]] | None:
+    """``(api, unit module classes, package kwargs)``, checked; None with one data-parallel rank."""
+    config, device_mesh = _device_mesh(mesh_context)
+    dp, cp, _ = _sizes(device_mesh)
+    if dp * cp == 1:
+        return None
+    api = load_api(with_optimizer=with_optimizer)
+    return api, resolve_unit_modules(model, config), translate_config(config, api)
 
 
-def parallelize_megatron_fsdp(
-    model: nn.Module,
-    mesh_context: MeshContext,
-    sidecar: SidecarHooks,
-    *,
-    tp_plan: Mapping[str, Any] | None = None,
-    layer_groups: Sequence[LayerGroup] = (),
-    optimizer: torch.optim.Optimizer | None = None,
-) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
-    """Apply TP, AC and ``reapply_trainability``, then Megatron-FSDP over the ``dp`` (x ``cp``) ranks.
-
-    Unit modules come from ``config.unit_modules`` or the model's ``_no_split_modules``; with one
-    data-parallel rank only TP is applied, with a warning. ``tp_plan`` and ``layer_groups`` come from
-    the plan (``plait.sidecar.plan_parallelism``). A given ``optimizer`` is rebuilt on the sharded
-    parameters (one group, its defaults) and ``(model, optimizer)`` is returned.
+def check_megatron_fsdp(model: nn.Module, mesh_context: MeshContext) -> None:
+    """Refuse what Megatron-FSDP cannot shard before anything changes (the plan calls it).
 
     Raises:
         TypeError: the strategy config is not a :class:`MegatronFSDPConfig`.
         ImportError: megatron-fsdp is missing or its API is unsupported (names the version needed).
-        ValueError: a bad mesh, no unit modules, a bad TP plan or head counts vs tp.
+        ValueError: a mesh without ``dp``, no unit modules, a config the package cannot take.
     """
-    config, device_mesh = _device_mesh(mesh_context)
+    _prepare(model, mesh_context, with_optimizer=False)
+
+
+def shard_megatron_fsdp(
+    model: nn.Module, mesh_context: MeshContext, *, optimizer: torch.optim.Optimizer | None = None
+) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
+    """Shard ``model`` with the ``megatron-fsdp`` package over the ``dp`` (x ``cp``) ranks; the flow's last step.
+
+    TP, activation checkpointing and ``reapply_trainability`` are the flow's steps before this one.
+    Unit modules come from ``config.unit_modules`` or the model's ``_no_split_modules``; with one
+    data-parallel rank nothing is sharded, with a warning. A given ``optimizer`` is rebuilt on the
+    sharded parameters (one group, its defaults) and ``(model, optimizer)`` is returned.
+
+    Raises:
+        TypeError / ImportError / ValueError: as :func:`check_megatron_fsdp`.
+    """
+    prepared = _prepare(model, mesh_context, with_optimizer=optimizer is not None)
+    device_mesh = mesh_context.device_mesh
     dp, cp, tp = _sizes(device_mesh)
-    shard = dp * cp > 1
-    if shard:
-        api = load_api(with_optimizer=optimizer is not None)
-        units = resolve_unit_modules(model, config)
-        kwargs = translate_config(config, api)
-    _apply_before_sharding(model, mesh_context, sidecar, tp_plan or {}, layer_groups)
-    if not shard:
+    if prepared is None:
         warnings.warn(
-            f"Megatron-FSDP with dp={dp}, cp={cp}: one data-parallel rank, nothing to shard; applied TP "
-            f"(tp={tp}) only",
+            f"Megatron-FSDP with dp={dp}, cp={cp}: one data-parallel rank, nothing to shard (tp={tp})",
             UserWarning,
             stacklevel=2,
         )
         return model if optimizer is None else (model, optimizer)
+    api, units, kwargs = prepared
     extra = {"optimizer": optimizer} if optimizer is not None else {}
     return api.entry(
         module=model,

@@ -1,4 +1,4 @@
-"""parallelize_ddp on real gloo ranks: DDP (with activation checkpointing) trains like the unsharded model."""
+"""DDP through parallelize_model on real gloo ranks: with activation checkpointing it trains like the unsharded model."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from plait.mesh import DDPConfig, MeshContext
 from plait.models import DecoderConfig, DenseDecoder
-from plait.strategies import parallelize_ddp
+from plait.sidecar import parallelize_model
+from plait.strategies import wrap_ddp
 from plait.testing import run_on_ranks
-from tests.strategies._hooks import Hooks
 from tests.strategies._parity import Parity, run_parity
 
 _CFG = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
@@ -24,9 +24,7 @@ _CFG = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hi
 def _build(ac: bool | str) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
     ref = DenseDecoder(_CFG)
-    par = parallelize_ddp(
-        copy.deepcopy(ref), MeshContext.build(DDPConfig(), activation_checkpointing=ac), Hooks()
-    )
+    par = parallelize_model(copy.deepcopy(ref), MeshContext.build(DDPConfig(), activation_checkpointing=ac))
     return ref, par
 
 
@@ -60,7 +58,7 @@ def _single_rank(scope: str) -> tuple[str, list[str], bool, list[str]]:
             activation_checkpointing=True,
             reapply_trainability=freeze_embeddings,
         )
-        out = parallelize_ddp(model, ctx, Hooks())
+        out = parallelize_model(model, ctx)
     wrapped = [n for n, m in out.named_modules() if isinstance(m, CheckpointWrapper)]
     refrozen = bool(frozen) and not out.model.embed_tokens.weight.requires_grad
     return type(out).__name__, wrapped, refrozen, [str(w.message) for w in caught]
@@ -80,5 +78,5 @@ def test_scope_without_matching_layers_checkpoints_nothing() -> None:
 
 
 def test_wrong_config_type() -> None:
-    with pytest.raises(TypeError, match="parallelize_ddp needs a DDPConfig, got dict"):
-        parallelize_ddp(nn.Linear(2, 2), MeshContext(device_mesh=None, strategy_config={}), Hooks())
+    with pytest.raises(TypeError, match="wrap_ddp needs a DDPConfig, got dict"):
+        wrap_ddp(nn.Linear(2, 2), MeshContext(device_mesh=None, strategy_config={}))
