@@ -1,5 +1,5 @@
 """Reference models: HF-like names and shapes, tied weights, seeded determinism, TP-friendly attention,
-the swappable attention call, global position ids, presets and the TP plan data."""
+the swappable attention call, global position ids, presets, and no TP plan of their own."""
 
 import copy
 
@@ -235,19 +235,10 @@ def test_presets_build_the_same_classes_and_test_is_the_defaults():
         preset_arch("moe", "huge")
 
 
-def test_tp_plan_is_style_data_naming_real_modules():
-    """Each class owns its plan as Hugging Face style strings; every pattern matches a Linear."""
-    from fnmatch import fnmatchcase
-
-    for model in (DenseDecoder(_CFG), VLM(VLMConfig(text_config=_CFG))):
-        plan = type(model)._tp_plan
-        assert set(plan.values()) <= {"colwise", "rowwise", "colwise_rep"}
-        names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-        for pattern in plan:
-            assert any(fnmatchcase(n, pattern) for n in names), pattern
-        assert plan["lm_head"] == "colwise_rep"
-    assert DenseDecoder._tp_plan["model.layers.*.mlp.down_proj"] == "rowwise"
-    assert not hasattr(MoEDecoder, "_tp_plan"), "MoE relies on plait.tp's default plan (experts whole)"
+def test_the_decoders_carry_no_tp_plan():
+    """The tensor-parallel plan lives in plait.tp, registered there by class name."""
+    for cls in (DenseDecoder, MoEDecoder):
+        assert not hasattr(cls, "_tp_plan"), cls.__name__
 
 
 def test_meta_build_and_reset_buffers_recompute_non_persistent_buffers():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
-from plait.sharding import LayerGroup, apply_activation_checkpointing, discover_layer_groups, selective_policy
+from plait.sharding import LayerGroup, apply_activation_checkpointing, discover_layer_groups
+from plait.sharding.selective import ForwardDepth, selective_policy
 
 
 class _Attention(nn.Module):
@@ -184,41 +186,145 @@ def test_selective_policy_counts_forward_and_recompute_separately(n_matmuls: int
     assert policy(_Ctx(False), aten.silu.default) == CheckpointPolicy.PREFER_RECOMPUTE
 
 
-class _TopkRouter(nn.Module):
-    def __init__(self, hidden: int = 32) -> None:
+class _BiasedRouter(nn.Module):
+    """Scores, a bias added (a buffer tests change before backward) and top-k, like an MoE router."""
+
+    def __init__(self, hidden: int) -> None:
         super().__init__()
-        self.mlp = nn.Linear(hidden, 8)
+        self.proj = nn.Linear(hidden, 8)
+        self.register_buffer("bias", torch.zeros(8))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        values, _ = torch.topk(self.mlp(x), k=2, dim=-1)
-        return x * values.sum(-1, keepdim=True)
+        values, _ = torch.topk(self.proj(x) + self.bias, k=2, dim=-1)
+        return values.softmax(-1).sum(-1, keepdim=True)
 
 
-class _CountTopk(TorchDispatchMode):
+class _RoutedMlp(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.router = _BiasedRouter(hidden)
+        self.up = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(self.up(x)) * self.router(x)
+
+
+class _RoutedLayer(nn.Module):
+    def __init__(self, hidden: int = 32) -> None:
+        super().__init__()
+        self.input_layernorm = nn.LayerNorm(hidden)
+        self.self_attn = _Attention(hidden, heads=4)
+        self.mlp = _RoutedMlp(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(x)
+
+
+class _RoutedModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.calls = 0
+        self.layers = nn.ModuleList(_RoutedLayer() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts calls of each aten op (forward, recompute and backward alike)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[Any, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.calls += func is torch.ops.aten.topk.default
+        self.calls[func] = self.calls.get(func, 0) + 1
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize(("save_ops", "expected_calls"), [(None, 4), ({torch.ops.aten.topk}, 2)])
-def test_save_ops_are_not_recomputed(save_ops: set | None, expected_calls: int) -> None:
-    model = nn.Sequential()
-    model.layers = nn.ModuleList(_TopkRouter() for _ in range(2))
-    plain = copy.deepcopy(model)
-    apply_activation_checkpointing(model, discover_layer_groups(model), whole_layer=True, save_ops=save_ops)
-    x = torch.randn(2, 5, 32)
-    counter = _CountTopk()
-    with counter:
-        out = model.layers[1](model.layers[0](x))
-        out.sum().backward()
-    assert counter.calls == expected_calls  # 2 layers: forward only, or forward + recompute
-    ref = plain.layers[1](plain.layers[0](x))
-    ref.sum().backward()
-    assert torch.equal(out, ref)
+_SAVE_INSIDE_CASES = [{}, {"whole_layer": True}, {"mode": "selective"}]
+_SAVE_INSIDE_IDS = ["full", "full-whole-layer", "selective"]
+
+
+def _routed(save_routers: bool, **kwargs: Any) -> tuple[nn.Module, nn.Module, list[nn.Module]]:
+    """A plain 2-layer routed model and its checkpointed copy (routers as ``save_inside`` when asked)."""
+    torch.manual_seed(0)
+    plain = _RoutedModel()
+    model = copy.deepcopy(plain)
+    routers = [layer.get_submodule("mlp.router") for layer in model.layers]
+    save_inside = routers if save_routers else ()
+    apply_activation_checkpointing(model, discover_layer_groups(model), save_inside=save_inside, **kwargs)
+    return plain, model, routers
+
+
+@pytest.mark.parametrize("kwargs", _SAVE_INSIDE_CASES, ids=_SAVE_INSIDE_IDS)
+@pytest.mark.parametrize("save_routers", [False, True])
+def test_save_inside_ops_run_once_instead_of_again_in_the_recompute(save_routers: bool, kwargs: dict) -> None:
+    _, model, _ = _routed(save_routers, **kwargs)
+    counter = _CountOps()
+    with counter, set_checkpoint_early_stop(False):
+        model(torch.randn(2, 5, 32)).sum().backward()
+    topk = counter.calls[torch.ops.aten.topk.default]
+    assert topk == (2 if save_routers else 4)  # 2 layers: forward only, or forward + recompute
+    assert counter.calls[torch.ops.aten.silu.default] == 4  # the rest of the MLP is recomputed
+
+
+@pytest.mark.parametrize("kwargs", _SAVE_INSIDE_CASES, ids=_SAVE_INSIDE_IDS)
+def test_the_recompute_reuses_the_saved_router_outputs(kwargs: dict) -> None:
+    """A router changed between forward and backward: gradients stay those of the forward's routing."""
+    plain, saved, routers = _routed(True, **kwargs)
+    _, recomputed, recomputed_routers = _routed(False, **kwargs)
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(5))
+    losses = [model(x).square().mean() for model in (plain, saved, recomputed)]
+    with torch.no_grad():
+        for router in (*routers, *recomputed_routers):
+            router.bias.copy_(torch.linspace(-3.0, 3.0, 8))  # other top-k picks than the forward's
+    for loss in losses:
+        loss.backward()
+    grads = [
+        {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in m.named_parameters()}
+        for m in (plain, saved, recomputed)
+    ]
+    for name, grad in grads[0].items():
+        assert torch.equal(grad, grads[1][name]), name
+    assert any(not torch.equal(grad, grads[2][name]) for name, grad in grads[0].items())
+
+
+def _with_op_policy(model: nn.Module) -> set[str]:
+    """The checkpoint wrappers that run under a selective-checkpoint ``context_fn``."""
+    wrappers = ((f, m) for f, m in model.named_modules() if isinstance(m, CheckpointWrapper))
+    return {fqn for fqn, m in wrappers if "context_fn" in m.checkpoint_fn.keywords}
+
+
+def test_full_mode_gives_the_op_policy_only_to_wrappers_holding_a_save_inside_module() -> None:
+    assert _with_op_policy(_routed(True)[1]) == {"layers.0.mlp", "layers.1.mlp"}
+    assert len(_wrapped_paths(_routed(True)[1])) == 6  # and the norms and attention, plain
+    assert _with_op_policy(_routed(False)[1]) == set()
+
+
+def test_forward_depth_counts_nesting_and_unwinds_after_an_error() -> None:
+    outer, inner = nn.Sequential(nn.Linear(2, 2)), nn.Linear(2, 2)
+    outer.append(inner)
+    depth = ForwardDepth([outer, inner])
+    seen: list[int] = []
+    inner.register_forward_pre_hook(lambda *_: seen.append(depth.depth))
+    outer(torch.zeros(1, 2))
+    assert seen == [2] and depth.depth == 0
+    with pytest.raises(RuntimeError):
+        outer(torch.zeros(1, 3))
+    assert depth.depth == 0
+
+
+def test_profiler_ops_are_recomputed_even_inside_save_inside_modules() -> None:
+    depth = ForwardDepth([])
+    depth.depth = 1
+    for selective in (False, True):
+        policy = selective_policy(selective=selective, save_inside=depth)
+        marker = torch.ops.profiler._record_function_enter_new.default
+        assert policy(_Ctx(False), marker) == CheckpointPolicy.PREFER_RECOMPUTE
+        assert policy(_Ctx(False), torch.ops.aten.silu.default) == CheckpointPolicy.MUST_SAVE
 
 
 def test_per_submodule_wraps_each_role_once_and_skips_wrapped() -> None:

@@ -5,7 +5,8 @@ Names (``model.embed_tokens``, ``model.layers[i].self_attn.{q,k,v,o}_proj``,
 ``model.rotary_emb``, ``lm_head``) match ``transformers.LlamaForCausalLM``, so TP plans, FSDP unit
 selection and activation checkpointing see the same structure. Attention splits heads with ``-1``
 and reads the sequence length from the projections, so it runs on tensor-parallel shards (local
-heads) and under sequence parallel (inputs gathered by the projections).
+heads) and under sequence parallel (inputs gathered by the projections). The tensor-parallel plan
+is not here: plait.tp owns the Llama-style plan and registers it for these classes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from torch import nn
 from plait.models.attention import AttentionFn, sdpa_attention
 
 __all__ = [
-    "LLAMA_TP_PLAN",
     "MLP",
     "Attention",
     "CausalLM",
@@ -31,7 +31,6 @@ __all__ = [
     "RMSNorm",
     "RotaryEmbedding",
     "apply_rotary",
-    "llama_tp_plan_for",
 ]
 
 
@@ -248,10 +247,9 @@ class DecoderModel(nn.Module):
 
 
 def llama_tp_plan_for(prefix: str, head: str = "lm_head", *, mlp: bool = True) -> dict[str, str]:
-    """A Hugging Face style ``_tp_plan`` (style strings) for a :class:`DecoderModel` at ``prefix``.
+    """A Hugging Face style ``_tp_plan`` for a :class:`DecoderModel` at ``prefix`` (``VLM`` still reads it).
 
-    plait.tp translates it (vocab-parallel embedding, replicated norms, loss-parallel head and, with
-    sequence parallel, the ``Shard(1)`` residual stream are added there).
+    plait.tp's registered Llama-style plan takes precedence over it for the reference classes.
     """
     layers = f"{prefix}.layers.*"
     plan = {f"{layers}.self_attn.{p}_proj": "colwise" for p in "qkv"}
@@ -261,10 +259,6 @@ def llama_tp_plan_for(prefix: str, head: str = "lm_head", *, mlp: bool = True) -
         plan[f"{layers}.mlp.down_proj"] = "rowwise"
     plan[head] = "colwise_rep"
     return plan
-
-
-LLAMA_TP_PLAN = llama_tp_plan_for("model")
-"""The dense decoder's tensor-parallel plan, in Hugging Face's ``_tp_plan`` form."""
 
 
 class CausalLM(nn.Module):
@@ -295,7 +289,6 @@ class DenseDecoder(CausalLM):
     """The dense causal LM (``transformers.LlamaForCausalLM``'s layout)."""
 
     _no_split_modules: ClassVar[list[str]] = ["DecoderLayer"]
-    _tp_plan: ClassVar[dict[str, str]] = LLAMA_TP_PLAN
 
     def __init__(self, config: DecoderConfig | None = None) -> None:
         config = config if config is not None else DecoderConfig()

@@ -80,7 +80,7 @@ def selective_policy(
             # record_function markers (FSDP's hooks emit them) carry no values and differ in number
             # between forward and recompute; saving them would misalign the saved-op indices.
             return CheckpointPolicy.PREFER_RECOMPUTE
-        if False:
+        if save_inside is not None and save_inside.depth:
             return CheckpointPolicy.MUST_SAVE
         if not selective:
             return CheckpointPolicy.PREFER_RECOMPUTE

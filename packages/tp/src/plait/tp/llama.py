@@ -1,4 +1,7 @@
-"""The built-in TP plan for Llama-style decoders (HF Llama / Qwen2 / Qwen3 / Mistral naming), registered as ``llama``."""
+"""The built-in TP plan for Llama-style decoders (HF Llama / Qwen2 / Qwen3 / Mistral naming), registered as ``llama``.
+
+The only home of this plan: plait.models' reference decoders carry none and get it from the registry.
+"""
 
 from __future__ import annotations
 
@@ -104,11 +107,17 @@ def _rotary_needs_style(base: nn.Module) -> bool:
     return "position_ids" not in inspect.signature(rotary.forward).parameters
 
 
-register_tp_plan("llama", llama_tp_plan)
-for _name in (
+_LLAMA_STYLE_CLASSES = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
-):
+    "plait.models.dense.DenseDecoder",
+    "plait.models.vlm.VLM",
+)
+"""Model classes that get this plan: Hugging Face's by bare name, plait.models' reference decoders by
+qualified name (by name, so plait.tp needs no plait.models install; subclasses are not covered)."""
+
+register_tp_plan("llama", llama_tp_plan)
+for _name in _LLAMA_STYLE_CLASSES:
     register_model_tp_plan(_name, llama_tp_plan)
