@@ -14,9 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from plait.models import MoEDecoder, MoEDecoderConfig
-from plait.testing.driver import ADAMW_LR, SGD_LR, logits_of
-from tests.sidecar._parity import global_batch
-from tests.sidecar._routing_margin import MIN_MARGIN, record_routing_margins
+from plait.testing import ADAMW_LR, MIN_MARGIN, SGD_LR, global_batch, logits_of, record_routing_margins
 
 CONFIGS = {
     "skewed": MoEDecoderConfig(vocab_size=64, num_experts=8, zero_token_experts=(1, 2, 6)),

@@ -1,27 +1,23 @@
 """The full pipeline-parallel acceptance matrix (too slow for CI on 2 cores); prints one JSON line per case.
 
-Each case: loss and every parameter gradient after step 0, and every parameter after 2 SGD steps,
-against the unsharded reference (relative to the reference's largest |value|; must be <= 1e-5).
+Each case runs plait.testing's parity driver on the case's ranks (``pipeline_parity``): the loss and
+every parameter gradient after step 0, every parameter after 2 SGD steps and the AdamW losses,
+against the unsharded reference, within the driver's fp32 tolerances (``ok``). The rows also go to
+``--out`` (JSON).
 
     uv run python tools/pipeline_matrix.py            # all world sizes
-    uv run python tools/pipeline_matrix.py --world 8  # one world size
+    uv run python tools/pipeline_matrix.py --world 2  # one world size
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import sys
-import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plait.mesh import ParallelismSizes as Sizes
 from plait.pipeline import PipelineConfig as Config
-from plait.testing import run_on_ranks
-from tests.pipeline._parity import run_case
+from plait.testing import pipeline_parity, run_cases
 
 MATRIX: dict[int, list[tuple]] = {
     2: [
@@ -86,30 +82,16 @@ MATRIX: dict[int, list[tuple]] = {
 }
 
 
-def _body(cases: list[tuple]) -> list[dict]:
-    return [dataclasses.asdict(run_case(*case)) for case in cases]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, choices=sorted(MATRIX), nargs="*", default=sorted(MATRIX))
+    parser.add_argument("--out", type=Path, default=Path("runs/pipeline_matrix.json"), help="JSON rows")
     opts = parser.parse_args()
-    failed = 0
+    rows = []
     for world in opts.world:
-        start = time.perf_counter()
-        per_rank = run_on_ranks(_body, world, MATRIX[world], timeout=3600)
-        for i, case in enumerate(MATRIX[world]):
-            rows = [rank[i] for rank in per_rank]
-            worst = {k: max(r[k] for r in rows) for k in ("loss_diff", "grad_diff", "param_diff")}
-            adamw = max(d for r in rows for d in r["adamw_loss_diffs"])
-            ok = all(v <= 1e-5 for v in worst.values()) and adamw <= 1e-4
-            ok &= all(r["grads_compared"] > 0 for r in rows)
-            failed += not ok
-            print(
-                json.dumps({"world": world, "case": case[0], "ok": ok, **worst, "adamw": adamw}), flush=True
-            )
-        print(json.dumps({"world": world, "seconds": round(time.perf_counter() - start, 1)}), flush=True)
-    sys.exit(1 if failed else 0)
+        cases = {case[0]: case for case in MATRIX[world]}
+        rows += run_cases(cases, pipeline_parity, world, out=opts.out, timeout=3600)
+    sys.exit(0 if all(row["ok"] for row in rows) else 1)
 
 
 if __name__ == "__main__":

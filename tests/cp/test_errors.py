@@ -8,7 +8,7 @@ from torch import nn
 
 from plait.cp import apply_context_parallel, global_positions
 from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
-from tests.cp._cp_parity import build_model
+from plait.testing import cp_decoder, named_hf_config
 
 
 class _Block(nn.Module):
@@ -44,16 +44,13 @@ def test_unknown_attention_is_refused_by_name(fake_pg) -> None:
 
 
 def test_sliding_window_and_dropout_are_refused(fake_pg) -> None:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     with fake_pg(2):
-        config = Qwen3Config(
-            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, use_sliding_window=True, sliding_window=4, max_window_layers=0,
-        )  # fmt: skip
+        config = named_hf_config("qwen3_sliding_window")
         with pytest.raises(ValueError, match="sliding-window attention"):
             apply_context_parallel(Qwen3ForCausalLM(config), _ctx())
-        llama = build_model("llama")
+        llama = cp_decoder("llama")
         llama.config.attention_dropout = 0.1
         with pytest.raises(ValueError, match=r"attention_dropout=0\.1"):
             apply_context_parallel(llama, _ctx())
@@ -70,7 +67,7 @@ def test_config_names_the_variant() -> None:
 
 def test_forward_refuses_inputs_not_split_by_shard_sequence(fake_pg) -> None:
     with fake_pg(2, rank=1):
-        model = apply_context_parallel(build_model("llama"), _ctx())
+        model = apply_context_parallel(cp_decoder("llama"), _ctx())
         assert model.config._attn_implementation == "plait_cp"
         ids = torch.zeros(1, 8, dtype=torch.long)
         good = global_positions(16, 1, 2)[None]

@@ -9,7 +9,7 @@ from torch import nn
 from plait.models import VLM, DecoderConfig, DenseDecoder, VLMConfig
 from plait.pipeline import PipelineConfig, find_decoder_parts, plan_stages
 from plait.pipeline.split import PrunedModule, StageUnion, build_stage_module, check_untied_across_stages
-from tests.pipeline._parity import build
+from plait.testing import pipeline_decoder
 
 
 def _chain(model: nn.Module, num_stages: int, layers_per_stage: list[int] | None = None) -> list[nn.Module]:
@@ -21,7 +21,7 @@ def _chain(model: nn.Module, num_stages: int, layers_per_stage: list[int] | None
 @pytest.mark.parametrize("kind", ["dense", "moe", "llama"])
 def test_stages_chain_to_the_full_forward_with_the_full_models_keys(kind: str) -> None:
     torch.manual_seed(0)
-    model = build(kind, 5)
+    model = pipeline_decoder(kind, 5)
     ids = torch.randint(0, 96, (2, 8))
     expected = model(ids)
     expected = expected if isinstance(expected, torch.Tensor) else expected.logits

@@ -12,40 +12,19 @@ from torch import nn
 
 from plait.mesh import MeshContext
 from plait.sidecar import parallelize_model
-from plait.testing import Inputs, Parity, assert_parity, logits_of, paired
+from plait.testing import Inputs, Parity, assert_parity, global_batch, local_slice, logits_of, paired
 from plait.testing import run_parity as _drive
 
 __all__ = [
     "Parity",
     "assert_parity",
     "dp_coordinates",
-    "global_batch",
-    "local_slice",
     "logits_of",
     "run_parity",
 ]
 
-SEQ = 8
-PER_RANK_BATCH = 2
 STEPS = (0, 1, 3, 4, 5)
 """The global batches the driver's five steps use (the MoE tests' router margins are checked on these)."""
-
-
-def global_batch(
-    vocab: int, dp_size: int, step: int, extra: Callable[[int, int], dict[str, torch.Tensor]] | None = None
-) -> dict[str, torch.Tensor]:
-    """The same global batch on every rank for ``step``: ``input_ids``, ``labels`` (+ ``extra(rows, step)``)."""
-    gen = torch.Generator().manual_seed(1000 + step)
-    rows = dp_size * PER_RANK_BATCH
-    ids = torch.randint(0, vocab, (rows, SEQ + 1), generator=gen)
-    batch = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
-    return batch | (extra(rows, step) if extra is not None else {})
-
-
-def local_slice(batch: dict[str, torch.Tensor], dp_rank: int) -> dict[str, torch.Tensor]:
-    """This data-parallel rank's rows of ``batch``."""
-    lo = dp_rank * PER_RANK_BATCH
-    return {k: v[lo : lo + PER_RANK_BATCH] for k, v in batch.items()}
 
 
 def _micro_batches(batch: dict[str, torch.Tensor], dp_size: int) -> list[Inputs]:

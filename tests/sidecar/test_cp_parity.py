@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plait.testing import run_on_ranks
-from tests.cp._cp_parity import cp_parity
+from plait.testing import cp_parity, run_on_ranks
 
 TWO_RANKS: list[tuple[Any, ...]] = [
     ("llama", {"cp_size": 2}, {"cp_attention": "all_gather"}),

@@ -1,7 +1,7 @@
 """Expert parallel as a step of the one FSDP2 flow, on plait's reference MoE decoder (real gloo ranks).
 
 Every parity case hooks the reference's routers and asserts a clear top-k margin (see
-``_routing_margin``) over every token of every step compared, so no CPU's rounding can flip a choice.
+``plait.testing.routing``) over every token of every step compared, so no CPU's rounding can flip a choice.
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ from torch.distributed.fsdp import FSDPModule
 from plait.mesh import FSDP2Config, MeshContext, MoEConfig, ParallelismSizes
 from plait.models import MoEDecoder, MoEDecoderConfig, TopKRouter
 from plait.sidecar import ModelParallelizer, parallelize_model
-from plait.testing import run_on_ranks
+from plait.testing import Margins, global_batch, local_slice, record_routing_margins, run_on_ranks
 from plait.testing.parity import max_grad_diff
-from tests.sidecar._parity import Parity, assert_parity, global_batch, local_slice, logits_of, run_parity
-from tests.sidecar._routing_margin import Margins, record_routing_margins
+from tests.sidecar._parity import Parity, assert_parity, logits_of, run_parity
 
 VOCAB = 64
 SKEWED = MoEDecoderConfig(vocab_size=VOCAB, num_experts=8, zero_token_experts=(1, 2, 6))

@@ -17,22 +17,19 @@ from torch.distributed.tensor import DTensor
 
 from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
 from plait.sidecar import parallelize_model
-from plait.testing import run_on_ranks
-from tests.sidecar._hf_moe import build, hf_cases
+from plait.testing import hf_moe_cases, hf_moe_model, named_hf_config, run_on_ranks
 
 CASES = [("mixtral", "ep=2"), ("gpt_oss", "ep=4"), ("qwen3_moe", "ep=2 x tp=2")]
 
 
 def test_hugging_face_moe_families_match_reference_under_expert_parallel() -> None:
-    for rank in run_on_ranks(hf_cases, 4, CASES, timeout=600):
+    for rank in run_on_ranks(hf_moe_cases, 4, CASES, timeout=600):
         for result in rank:
             result.check()
 
 
 def test_dense_model_with_ep_is_refused_before_any_collective(fake_pg: Any) -> None:
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
-    )
+    config = named_hf_config("llama_one_layer")
     with fake_pg(4):
         ctx = MeshContext.build(FSDP2Config(mp_policy=None), ParallelismSizes(ep_size=2))
         with pytest.raises(ValueError, match=r"LlamaForCausalLM has no MoE block .* use ep_size 1"):
@@ -40,7 +37,7 @@ def test_dense_model_with_ep_is_refused_before_any_collective(fake_pg: Any) -> N
 
 
 def test_experts_not_divisible_by_ep_are_refused_naming_the_numbers(fake_pg: Any) -> None:
-    model = build("mixtral")  # 4 experts
+    model = hf_moe_model("mixtral")  # 4 experts
     with fake_pg(8):
         ctx = MeshContext.build(FSDP2Config(mp_policy=None), ParallelismSizes(ep_size=8))
         with pytest.raises(
@@ -53,7 +50,7 @@ def test_experts_not_divisible_by_ep_are_refused_naming_the_numbers(fake_pg: Any
 def test_own_hf_plan_under_ep_x_tp_leaves_experts_to_ep_and_a_user_plan_on_them_is_refused(
     fake_pg: Any,
 ) -> None:
-    model = build("mixtral")
+    model = hf_moe_model("mixtral")
     own_plan = {f"model.{k}": v for k, v in model.config.base_model_tp_plan.items()}
     assert "model.layers.*.mlp.experts" in own_plan  # the HF plan shards the experts (moe_tp_experts)
     with fake_pg(4):
@@ -71,7 +68,7 @@ def test_own_hf_plan_under_ep_x_tp_leaves_experts_to_ep_and_a_user_plan_on_them_
             ValueError,
             match=r"pattern 'model.layers.\*.mlp.gate' matches .*router 'model.layers.0.mlp.gate'.* remove the pattern",
         ):
-            parallelize_model(build("mixtral"), user)
+            parallelize_model(hf_moe_model("mixtral"), user)
 
 
 def _local_bytes(model: Any) -> int:
@@ -84,17 +81,7 @@ def test_mixtral_under_tp_alone_holds_at_most_055_of_a_tp_run_with_replicated_ex
     # Mixtral's proportions (8 experts, top-2, intermediate 3.5 x hidden, few KV heads): experts hold most
     # weights. Gradients and optimizer state take each parameter's placement, so the parameter bytes'
     # ratio is the held state's (tools/bench/moe_bench.py measures all three after AdamW steps: 0.521).
-    config = transformers.MixtralConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=224,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        tie_word_embeddings=False,
-    )
+    config = named_hf_config("mixtral_proportions")
     own = {f"model.{k}": v for k, v in config.base_model_tp_plan.items()}
     without_experts = {k: v for k, v in own.items() if ".experts" not in k}
     replicated = without_experts | {
@@ -115,18 +102,7 @@ def test_mixtral_under_tp_alone_holds_at_most_055_of_a_tp_run_with_replicated_ex
 def test_per_expert_module_containers_of_the_locked_transformers_are_refused(fake_pg: Any) -> None:
     # transformers 5.24: SwitchTransformers and NLLB-MoE keep a per-expert ModuleDict (VitPose a
     # ModuleList); every causal-LM MoE family stacks its experts in fused 3-D parameters.
-    config = transformers.SwitchTransformersConfig(
-        vocab_size=64,
-        d_model=16,
-        d_ff=32,
-        d_kv=4,
-        num_heads=2,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_sparse_encoder_layers=1,
-        num_sparse_decoder_layers=1,
-        num_experts=2,
-    )
+    config = named_hf_config("switch_transformers")
     with fake_pg(2):
         ctx = MeshContext.build(FSDP2Config(mp_policy=None), ParallelismSizes(ep_size=2))
         with pytest.raises(

@@ -1,9 +1,18 @@
-"""The tiny Hugging Face builders: seeded, at the stated sizes, noisy vectors only when asked."""
+"""The tiny Hugging Face configs and builders: seeded, at the stated sizes, noisy vectors only when asked."""
 
 import pytest
 import torch
 
-from plait.testing import tiny_hf_config, tiny_hf_model
+from plait.testing import (
+    NAMED_HF_CONFIGS,
+    SWEEP_HF_SIZES,
+    hf_moe_config,
+    named_hf_config,
+    sweep_hf_config,
+    tiny_hf_config,
+    tiny_hf_model,
+    tp_hf_config,
+)
 
 pytest.importorskip("transformers", reason="the builders build transformers models")
 
@@ -17,3 +26,15 @@ def test_tiny_models_are_seeded_and_sized() -> None:
     norm = tiny_hf_model("llama", vector_noise=0.1).model.norm.weight
     assert torch.equal(first.model.norm.weight, torch.ones(32)) and not torch.equal(norm, torch.ones(32))
     assert tiny_hf_model("qwen3", tie_word_embeddings=True).lm_head.weight.dtype == torch.float32
+
+
+def test_every_named_config_builds_at_its_sizes() -> None:
+    for name, (model_type, fields) in NAMED_HF_CONFIGS.items():
+        config = named_hf_config(name)
+        assert config.model_type == model_type and all(getattr(config, k) == v for k, v in fields.items()), (
+            name
+        )
+    assert named_hf_config("mixtral_proportions", attn_implementation="eager")._attn_implementation == "eager"
+    assert tp_hf_config("qwen3", vocab=64).head_dim == 16 and tp_hf_config("llama").hidden_size == 64
+    assert hf_moe_config("mixtral").num_local_experts == 4
+    assert (sweep_hf_config("llama", 4).num_attention_heads, SWEEP_HF_SIZES["vocab_size"]) == (8, 128)

@@ -14,19 +14,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from plait.testing import FP32, Parity, paired, run_parity, tiny_hf_model, token_batches
+from plait.testing import FP32, TP_FAMILY_HF_SIZES, Parity, paired, run_parity, tiny_hf_model, token_batches
 from plait.tp import apply_tp, layer_containers, resolve_tp_plan, validate_tp_mesh
 
-VOCAB = 96
-SIZES: dict[str, Any] = {
-    "vocab_size": VOCAB,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "head_dim": 16,
-    "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
+VOCAB = TP_FAMILY_HF_SIZES["vocab_size"]
 
 Family = tuple[str, dict[str, Any]]  # (model_type, config overrides)
 
@@ -45,7 +36,7 @@ GATHERED_MLP = {
 
 def build(model_type: str, overrides: dict[str, Any]) -> nn.Module:
     """A seeded tiny causal LM: hidden 64, 2 layers, vocab 96, eager attention, fp32, noisy norm weights."""
-    return tiny_hf_model(model_type, vector_noise=0.1, **(SIZES | overrides))
+    return tiny_hf_model(model_type, vector_noise=0.1, **(TP_FAMILY_HF_SIZES | overrides))
 
 
 def _parallelize(model: nn.Module, mesh: DeviceMesh, sp: bool) -> nn.Module:

@@ -8,9 +8,7 @@ import torch
 import transformers
 from torch import nn
 
-from plait.testing import tiny_hf_config
-
-_SIZES = {"hidden_size": 64, "intermediate_size": 128}
+from plait.testing import tp_hf_config
 
 
 class _Attention(nn.Module):
@@ -149,28 +147,10 @@ class NestedPlanVLM(nn.Module):
         return self.lm_head
 
 
-def hf_config(
-    kind: str, *, vocab: int = 101, layers: int = 2, tie: bool = False, **overrides: object
-) -> object:
-    """A tiny Llama / Qwen3 config: hidden 64, 4 heads, 2 KV heads (Qwen3: head_dim 16), eager attention."""
-    if kind not in ("llama", "qwen3"):
-        raise ValueError(f"unknown kind {kind!r}")
-    qwen3 = {"head_dim": 16} if kind == "qwen3" else {}
-    return tiny_hf_config(
-        kind,
-        **_SIZES,
-        **qwen3,
-        vocab_size=vocab,
-        num_hidden_layers=layers,
-        tie_word_embeddings=tie,
-        **overrides,
-    )
-
-
 def hf_model(kind: str, **kwargs: object) -> nn.Module:
     """A randomly initialised tiny ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` (no hub access)."""
     cls = transformers.LlamaForCausalLM if kind == "llama" else transformers.Qwen3ForCausalLM
-    return cls(hf_config(kind, **kwargs)).to(torch.float32)
+    return cls(tp_hf_config(kind, **kwargs)).to(torch.float32)
 
 
 class UnregisteredLlama(transformers.LlamaForCausalLM):

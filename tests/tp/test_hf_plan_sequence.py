@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-from plait.testing import tiny_hf_model
+from plait.testing import TP_TRANSLATION_HF_SIZES, named_hf_config, tiny_hf_model, tp_hf_config
 from plait.tp import (
     ReplicateOwnParams,
     ReplicateParallel,
@@ -20,7 +20,6 @@ from plait.tp import (
     SequenceParallelNorm,
     hf_tp_plan,
 )
-from tests.tp._models import hf_config
 
 MLP_ONLY = {
     "layers.*.mlp.gate_proj": "colwise",
@@ -31,7 +30,7 @@ MLP_ONLY = {
 
 def test_unplanned_attention_runs_whole_under_sequence_parallel() -> None:
     """AFMoE / Granite-MoE style: the plan shards the MLP only; attention's weights stay whole."""
-    model = transformers.LlamaForCausalLM(hf_config("llama", base_model_tp_plan=MLP_ONLY))
+    model = transformers.LlamaForCausalLM(tp_hf_config("llama", base_model_tp_plan=MLP_ONLY))
     plan = hf_tp_plan(model, True)
     assert plan is not None
     for layer in (0, 1):
@@ -46,9 +45,7 @@ def test_unplanned_attention_runs_whole_under_sequence_parallel() -> None:
 
 def test_decoder_norms_are_found_whatever_their_name() -> None:
     """Phi's final norm is ``final_layernorm``: under SP it must take the ``Shard(1)`` stream too."""
-    config = transformers.PhiConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4
-    )
+    config = named_hf_config("phi_translation")
     model = transformers.PhiForCausalLM(config)
     sp, plain = hf_tp_plan(model, True), hf_tp_plan(model, False)
     assert sp is not None and plain is not None
@@ -64,10 +61,7 @@ def test_colwise_on_fused_experts_weights_keeps_the_halves_together() -> None:
         "layers.*.mlp.experts.down_proj": "rowwise",
         "layers.*.mlp.experts": "moe_tp_experts",
     }
-    config = transformers.MixtralConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, base_model_tp_plan=plan,
-    )  # fmt: skip
+    config = named_hf_config("mixtral_translation", base_model_tp_plan=plan)
     translated = hf_tp_plan(transformers.MixtralForCausalLM(config), False)
     assert translated is not None
     experts = translated["model.layers.*.mlp.experts"]
@@ -76,10 +70,7 @@ def test_colwise_on_fused_experts_weights_keeps_the_halves_together() -> None:
 
 def test_a_local_params_block_runs_whole_under_sequence_parallel_keeping_its_style() -> None:
     """Granite-SWA's attention is ``local_params`` (its sinks sharded by head): under SP it runs whole."""
-    config = transformers.AutoConfig.for_model(
-        "granite_swa", vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
-    )  # fmt: skip
+    config = named_hf_config("granite_swa_translation")
     plan = hf_tp_plan(transformers.AutoModelForCausalLM.from_config(config), True)
     assert plan is not None
     assert "model.layers.*.self_attn" not in plan
@@ -119,8 +110,7 @@ def test_an_unplanned_block_called_past_its_hooks_runs_through_dtensor(fake_pg: 
 
 def test_layers_with_parameters_of_their_own_get_them_replicated_under_sequence_parallel() -> None:
     """Dory's residual rates ``lambda_1`` / ``lambda_2`` on the layer itself meet the Shard(1) stream."""
-    model = tiny_hf_model("dory", vocab_size=96, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                          num_key_value_heads=2, head_dim=16)  # fmt: skip
+    model = tiny_hf_model("dory", **TP_TRANSLATION_HF_SIZES, num_key_value_heads=2, head_dim=16)
     plan = hf_tp_plan(model, True)
     assert plan is not None
     assert [type(plan.get(f"model.layers.{i}")) for i in (0, 1)] == [ReplicateOwnParams] * 2

@@ -18,9 +18,18 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from plait.models import DecoderConfig, DenseDecoder
-from plait.testing import Parity, assert_parity, logits_of, paired, run_on_ranks, run_parity, token_batches
+from plait.testing import (
+    Parity,
+    assert_parity,
+    logits_of,
+    paired,
+    run_on_ranks,
+    run_parity,
+    token_batches,
+    tp_hf_config,
+)
 from plait.tp import apply_tp, resolve_tp_plan, validate_tp_mesh
-from tests.tp._models import UnregisteredLlama, hf_config, hf_model
+from tests.tp._models import UnregisteredLlama, hf_model
 
 Case = tuple[str, bool, dict[str, Any]]  # (model kind, sequence_parallel, builder kwargs)
 HEADS = {"num_attention_heads": 8, "num_key_value_heads": 4}
@@ -30,7 +39,7 @@ def _build(kind: str, kwargs: dict[str, Any]) -> nn.Module:
     if kind == "dense":
         return DenseDecoder(DecoderConfig(hidden_size=64, intermediate_size=128, **HEADS, **kwargs))
     if kind == "hf-llama-unregistered":
-        return UnregisteredLlama(hf_config("llama", **HEADS, **kwargs))
+        return UnregisteredLlama(tp_hf_config("llama", **HEADS, **kwargs))
     return hf_model(kind, **HEADS, **kwargs)
 
 

@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from plait.testing import tp_hf_config
 from plait.tp import (
     ExpertsTensorParallel,
     GatherSequenceInput,
@@ -31,7 +32,6 @@ from tests.tp._models import (
     RemoteCodeLM,
     TinyLM,
     UnregisteredLlama,
-    hf_config,
 )
 
 PLAN_DICT = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"}
@@ -139,7 +139,7 @@ def test_model_class_registry_qualified_then_bare_name() -> None:
 def test_built_in_llama_plan_for_registered_hf_classes() -> None:
     import transformers
 
-    model = transformers.Qwen3ForCausalLM(hf_config("qwen3"))
+    model = transformers.Qwen3ForCausalLM(tp_hf_config("qwen3"))
     plan = _quiet_resolve(model)
     assert type(plan["model.embed_tokens"]) is VocabParallelEmbedding
     assert type(plan["model.layers.*.self_attn.q_norm"]) is ReplicatedWithGradAllReduce
@@ -164,7 +164,7 @@ def test_built_in_llama_plan_for_registered_hf_classes() -> None:
 
 def test_what_transformers_puts_in_tp_plan() -> None:
     """Pin the transformers behaviour hf_tp_plan relies on (class plan + instance plan with prefixed keys)."""
-    model = UnregisteredLlama(hf_config("llama"))
+    model = UnregisteredLlama(tp_hf_config("llama"))
     assert type(model)._tp_plan == {"lm_head": "colwise_gather_output"}
     instance = vars(model)["_tp_plan"]
     assert instance["model.layers.*.self_attn.q_proj"] == "colwise"
@@ -172,7 +172,7 @@ def test_what_transformers_puts_in_tp_plan() -> None:
 
 
 def test_hf_plan_translation_for_an_unregistered_hf_class() -> None:
-    model = UnregisteredLlama(hf_config("llama"))
+    model = UnregisteredLlama(tp_hf_config("llama"))
     plan = _quiet_resolve(model)
     assert set(plan) == {
         "lm_head",
@@ -194,14 +194,14 @@ def test_hf_plan_translation_for_an_unregistered_hf_class() -> None:
 
 
 def test_hf_sequence_parallel_without_head_in_plan_gathers_the_final_norm() -> None:
-    plan = hf_tp_plan(HeadlessPlanLlama(hf_config("llama")), True)
+    plan = hf_tp_plan(HeadlessPlanLlama(tp_hf_config("llama")), True)
     assert plan is not None and "lm_head" not in plan
     assert type(plan["model.norm"]) is SequenceParallelAllGather
     assert type(plan["model.layers.*.input_layernorm"]) is SequenceParallelNorm
 
 
 def test_hf_plan_with_embed_missing_is_completed() -> None:
-    model = UnregisteredLlama(hf_config("llama"))
+    model = UnregisteredLlama(tp_hf_config("llama"))
     vars(model)["_tp_plan"] = {k: v for k, v in vars(model)["_tp_plan"].items() if "embed" not in k}
     model.model._tp_plan = {}
     model.config.base_model_tp_plan = {}
@@ -231,7 +231,7 @@ def test_hf_nested_provider_prefers_language_model_and_shards_fused_experts() ->
     ],
 )
 def test_hf_plan_refuses_styles_it_does_not_build(key: str, style: str, why: str) -> None:
-    model = UnregisteredLlama(hf_config("llama"))
+    model = UnregisteredLlama(tp_hf_config("llama"))
     vars(model)["_tp_plan"][key] = style
     with pytest.raises(
         ValueError, match=rf"UnregisteredLlama \(model_type 'llama'\).*{style!r}.*{why}.*tp_size 1"
@@ -240,14 +240,14 @@ def test_hf_plan_refuses_styles_it_does_not_build(key: str, style: str, why: str
 
 
 def test_hf_plan_refuses_sharded_parameters_without_an_owner_style() -> None:
-    model = UnregisteredLlama(hf_config("llama"))
+    model = UnregisteredLlama(tp_hf_config("llama"))
     vars(model)["_tp_plan"]["model.norm.weight"] = "colwise"
     with pytest.raises(ValueError, match=r"gives 'model\.norm' itself no style"):
         resolve_tp_plan(model, tp_size=2)
 
 
 def test_hf_plan_unmatched_pattern_is_a_warning_and_dropped() -> None:
-    model = UnregisteredLlama(hf_config("llama"))
+    model = UnregisteredLlama(tp_hf_config("llama"))
     vars(model)["_tp_plan"]["model.layers.*.self_attn.qkv_proj"] = "colwise"
     with pytest.warns(UserWarning, match=r"'model.layers.\*.self_attn.qkv_proj' matches no module"):
         plan = resolve_tp_plan(model, tp_size=2)
@@ -255,7 +255,7 @@ def test_hf_plan_unmatched_pattern_is_a_warning_and_dropped() -> None:
 
 
 def test_hf_plan_with_an_untranslatable_style() -> None:
-    model = UnregisteredLlama(hf_config("llama"))
+    model = UnregisteredLlama(tp_hf_config("llama"))
     vars(model)["_tp_plan"]["model.layers.*.self_attn.q_proj"] = "packed_colwise"
     with pytest.raises(ValueError, match=r"'packed_colwise' for 'model\.layers\.\*\.self_attn\.q_proj'"):
         resolve_tp_plan(model, tp_size=2)

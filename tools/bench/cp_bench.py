@@ -4,6 +4,7 @@ Run from the repository root (gloo ranks on CPU, through plait.testing's harness
 
     uv run tools/bench/cp_bench.py [--seq 8192] [--cp 1,2,4]      # memory + bytes, one JSON line per run
     uv run tools/bench/cp_bench.py --parity                        # every acceptance configuration
+                                                                   # (plait.testing.run_cases: JSON lines, --out)
 
 Memory: the bytes of the distinct storages autograd saves for backward during one forward
 (``saved_tensors_hooks``) — the activations a rank holds at the peak, parameters excluded. Bytes:
@@ -25,9 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from plait.testing import run_on_ranks
+from plait.testing import cp_parity, run_cases, run_on_ranks
 
 VARIANTS = ("all_gather", "ring")
 
@@ -139,32 +138,27 @@ PARITY: list[tuple[int, str, dict[str, int], dict[str, Any], Any]] = [
 ]
 
 
-def _parity_cases(cases: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
-    from tests.cp._cp_parity import cp_parity
-
-    return [cp_parity(*case) for case in cases]
-
-
 COMPILE = [(2, "dense", {"cp_size": 2}, {"enable_compile": True}, False)]
 """Per-layer torch.compile (inductor on CPU: minutes per case), with ``--parity --compile``."""
 
 
-def _parity(matrix: list[tuple[Any, ...]], only_world: int | None = None) -> bool:
-    ok = True
-    for world in sorted({c[0] for c in matrix}):
-        cases = [
-            (kind, sizes, {**options, "cp_attention": variant}, ac)
+def _parity(matrix: list[tuple[Any, ...]], only_world: int | None, out: Path) -> bool:
+    """Each configuration of ``matrix`` in both variants through ``cp_parity``; whether all pass."""
+    rows = []
+    for world in sorted({c[0] for c in matrix if only_world in (None, c[0])}):
+        cases = {
+            f"{kind} {sizes} {options} {variant} ac={ac}": (
+                kind,
+                sizes,
+                {**options, "cp_attention": variant},
+                ac,
+            )
             for w, kind, sizes, options, ac in matrix
-            if w == world and (only_world is None or w == only_world)
+            if w == world
             for variant in VARIANTS
-        ]
-        for case in cases:  # one call each: the harness frees the meshes' process groups between calls
-            per_rank = run_on_ranks(_parity_cases, world, [case], timeout=1800)
-            worst = {k: max(r[0][k] for r in per_rank) for k in ("loss_diff", "grad_rel", "param_diff")}
-            passed = all(v <= 1e-5 for v in worst.values())
-            ok &= passed
-            print(json.dumps({"world": world, "case": case, **worst, "passed": passed}), flush=True)
-    return ok
+        }
+        rows += run_cases(cases, cp_parity, world, out=out, timeout=1800)
+    return all(row["ok"] for row in rows)
 
 
 def main() -> None:
@@ -172,13 +166,16 @@ def main() -> None:
     parser.add_argument("--parity", action="store_true", help="run the parity matrix instead")
     parser.add_argument("--compile", action="store_true", help="with --parity: only the compile cases")
     parser.add_argument("--world", type=int, default=None, help="with --parity: only this world size")
+    parser.add_argument(
+        "--out", type=Path, default=Path("runs/cp_parity.json"), help="with --parity: JSON rows"
+    )
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--cp", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
     if args.parity:
-        sys.exit(0 if _parity(COMPILE if args.compile else PARITY, args.world) else 1)
+        sys.exit(0 if _parity(COMPILE if args.compile else PARITY, args.world, args.out) else 1)
     _memory_and_bytes(args)
 
 

@@ -40,39 +40,42 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from plait.testing import run_on_ranks
+from plait.testing import named_hf_config, run_on_ranks
 from tools.bench.instrument import CollectiveCounter, median, peak_rss_bytes, per_step
 
-SIZES = {
-    # hidden, intermediate, layers, heads, kv heads, experts, vocab (Mixtral's proportions: 8 experts,
-    # top-2, few KV heads; experts hold most of the weights)
-    "tiny": (64, 224, 2, 4, 2, 8, 256),
-    "small": (256, 896, 4, 8, 2, 8, 1024),
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {},
+    "small": {
+        "vocab_size": 1024,
+        "hidden_size": 256,
+        "intermediate_size": 896,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+    },
 }
+"""Overrides of plait.testing's ``mixtral_proportions`` config (tiny: hidden 64, 2 layers, vocab 256;
+Mixtral's proportions: 8 experts, top-2, 2 KV heads, intermediate 3.5 x hidden)."""
 CONTENDERS = {"fsdp": (4, {}), "ep=2": (4, {"ep_size": 2}), "tp=2": (2, {"tp_size": 2})}
 REPLICATED = "tp=2 replicated experts"
 WARMUP, COUNTED_STEP = 2, 1
+
+
+def mixtral_config(size: str) -> Any:
+    """The ``MixtralConfig`` of one of :data:`SIZES` (eager attention, no KV cache)."""
+    return named_hf_config(
+        "mixtral_proportions",
+        attn_implementation="eager",
+        **SIZES[size],
+        max_position_embeddings=256,
+        use_cache=False,
+    )
 
 
 def build_mixtral(size: str) -> nn.Module:
     """A random-weight ``MixtralForCausalLM`` of one of :data:`SIZES` (seed 0, eager attention)."""
     import transformers
 
-    hidden, inter, layers, heads, kv, experts, vocab = SIZES[size]
-    config = transformers.MixtralConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        num_local_experts=experts,
-        num_experts_per_tok=2,
-        max_position_embeddings=256,
-        use_cache=False,
-        tie_word_embeddings=False,
-    )
-    config._attn_implementation = "eager"
+    config = mixtral_config(size)
     torch.manual_seed(0)
     return transformers.MixtralForCausalLM(config)
 
@@ -95,9 +98,8 @@ def _context(contender: str, model: nn.Module) -> Any:
 
 
 def _batch(
-    step: int, size: str, rows: int, seq: int, dp_rank: int, dp: int
+    step: int, vocab: int, rows: int, seq: int, dp_rank: int, dp: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    vocab = SIZES[size][-1]
     tokens = torch.randint(vocab, (rows, seq + 1), generator=torch.Generator().manual_seed(1000 + step))
     mine = tokens.chunk(dp)[dp_rank]
     return mine[:, :-1], mine[:, 1:]
@@ -154,7 +156,7 @@ def run_contender(contender: str, spec: dict[str, Any]) -> dict[str, Any]:
     losses, times, comm = [], [], {}
     for step in range(spec["steps"]):
         opt.zero_grad(set_to_none=True)
-        ids, labels = _batch(step, spec["size"], spec["rows"], spec["seq"], dp_rank, dp)
+        ids, labels = _batch(step, model.config.vocab_size, spec["rows"], spec["seq"], dp_rank, dp)
         dist.barrier()
         start = time.perf_counter()
         counter = CollectiveCounter() if step == COUNTED_STEP else nullcontext()

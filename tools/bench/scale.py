@@ -54,7 +54,7 @@ def _meta_model(model_name: str, shape: str) -> nn.Module:
 
 def run_one(config: dict[str, Any]) -> dict[str, Any]:
     """Build the meshes and the meta model, parallelize once, and measure (runs in the child)."""
-    from plait.testing.fake_pg import fake_process_group
+    from plait.testing import fake_process_group
 
     world, tp = config["world"], config["tp"]
     with fake_process_group(world):

@@ -105,19 +105,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.timeout is not None and not args.isolate:
         parser.error("--timeout applies to --isolate (one process per family); use --case-timeout")
     family_timeout = 1500.0 if args.timeout is None else args.timeout
-    from hf_sweep.configs import sweep_families
+    from plait.testing import sweep_hf_families
 
     args.out.mkdir(parents=True, exist_ok=True)
     if args.floor:
         from hf_sweep.floor import sweep_floor
 
         sweep_floor(
-            sweep_families([f for f in args.families.split(",") if f] or None), args.out, args.case_timeout
+            sweep_hf_families([f for f in args.families.split(",") if f] or None), args.out, args.case_timeout
         )
         return 0
     jsonl = args.out / "results.jsonl"
     if not args.report_only:
-        families = sweep_families([f for f in args.families.split(",") if f] or None)
+        families = sweep_hf_families([f for f in args.families.split(",") if f] or None)
         if args.resume:
             families = [f for f in families if f not in _finished(jsonl)]
         print(f"# {len(families)} families, cases {[c[0] for c in CASES]}", flush=True)

@@ -25,9 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hf_sweep.configs import VOCAB
 from hf_sweep.family import CASES
-from hf_sweep.rank import LR, ROWS, SEQ, build_model, lm_loss, relative_diff
+from hf_sweep.rank import LR, ROWS, SEQ, VOCAB, build_model, lm_loss, relative_diff
 
 __all__ = ["run_floor", "sweep_floor"]
 

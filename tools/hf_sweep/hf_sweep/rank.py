@@ -14,8 +14,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from hf_sweep.configs import VOCAB, tiny_config
+from plait.testing import SWEEP_HF_SIZES, sweep_hf_config
 
+VOCAB = SWEEP_HF_SIZES["vocab_size"]
 SEQ = 16
 ROWS = 2  # per data-parallel rank
 LR = 0.5
@@ -25,7 +26,7 @@ TOLERANCE = 1e-5
 def build_model(model_type: str, tp: int, dtype: torch.dtype) -> nn.Module:
     import transformers
 
-    config = tiny_config(model_type, tp)
+    config = sweep_hf_config(model_type, tp)
     if dtype == torch.float64:  # grouped_mm has no float64 kernel: fused experts run the per-expert loop
         config._experts_implementation = "eager"
     torch.manual_seed(0)

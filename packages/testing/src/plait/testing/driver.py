@@ -40,10 +40,13 @@ from plait.testing.models import make_batch
 from plait.testing.parity import full_tensor, max_grad_diff, max_param_diff
 
 __all__ = [
+    "ADAMW_LR",
     "BF16",
     "FP32",
     "Inputs",
     "Parity",
+    "SGD_LR",
+    "STEPS",
     "Tolerances",
     "assert_parity",
     "logits_of",
@@ -58,6 +61,7 @@ Inputs = tuple[dict[str, torch.Tensor], torch.Tensor]
 SGD_LR = 0.2
 ADAMW_LR = 1e-2
 STEPS = 5
+"""The driver's learning rates (2 SGD steps, then AdamW) and its number of global batches."""
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,29 @@
-"""Test inputs the tests share: a container-layout model, the batch maker and the loss.
+"""Test inputs the tests share: a container-layout model, the batch makers and the loss.
 
 The reference decoders (dense, MoE, VLM) live in `plait.models`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["NestedContainerModel", "lm_loss", "make_batch"]
+__all__ = [
+    "GLOBAL_BATCH_ROWS_PER_RANK",
+    "GLOBAL_BATCH_SEQ",
+    "NestedContainerModel",
+    "global_batch",
+    "lm_loss",
+    "local_slice",
+    "make_batch",
+]
+
+GLOBAL_BATCH_SEQ = 8
+GLOBAL_BATCH_ROWS_PER_RANK = 2
+""":func:`global_batch`: sequence length, and rows per data-parallel rank."""
 
 
 class _Block(nn.Module):
@@ -92,6 +106,23 @@ def make_batch(vocab_size: int, batch: int, seq: int, seed: int = 0) -> tuple[to
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(vocab_size, (batch, seq + 1), generator=generator)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def global_batch(
+    vocab: int, dp_size: int, step: int, extra: Callable[[int, int], dict[str, torch.Tensor]] | None = None
+) -> dict[str, torch.Tensor]:
+    """The same global batch on every rank for ``step``: ``input_ids``, ``labels`` (+ ``extra(rows, step)``)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    rows = dp_size * GLOBAL_BATCH_ROWS_PER_RANK
+    ids = torch.randint(0, vocab, (rows, GLOBAL_BATCH_SEQ + 1), generator=gen)
+    batch = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+    return batch | (extra(rows, step) if extra is not None else {})
+
+
+def local_slice(batch: dict[str, torch.Tensor], dp_rank: int) -> dict[str, torch.Tensor]:
+    """This data-parallel rank's rows of a :func:`global_batch`."""
+    lo = dp_rank * GLOBAL_BATCH_ROWS_PER_RANK
+    return {k: v[lo : lo + GLOBAL_BATCH_ROWS_PER_RANK] for k, v in batch.items()}
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

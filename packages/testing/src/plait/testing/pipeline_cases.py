@@ -2,7 +2,8 @@
 
 The driver's reference trains on the whole global batch; the pipeline trains each data-parallel
 replica on its rows through its schedule (the ``parallel_step`` hook) and each rank compares the
-parameters of its own stages, named as in the full model (``subset``).
+parameters of its own stages, named as in the full model (``subset``). Needs plait-pipeline, which
+plait-testing does not declare.
 """
 
 from __future__ import annotations
@@ -10,29 +11,28 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
 from plait.models import DecoderConfig, DenseDecoder, MoEDecoder, MoEDecoderConfig
 from plait.pipeline import Pipeline, PipelineConfig, pipeline_model
-from plait.testing import Inputs, Parity, run_parity, tiny_hf_model, token_batches
+from plait.testing.driver import Inputs, Parity, run_parity, token_batches
+from plait.testing.hf_models import tiny_hf_model
+from plait.testing.models import lm_loss
 
-VOCAB = 96
+__all__ = ["PIPELINE_VOCAB", "pipeline_decoder", "pipeline_parity"]
+
+PIPELINE_VOCAB = 96
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-
-
-def build(kind: str, layers: int) -> nn.Module:
+def pipeline_decoder(kind: str, layers: int) -> nn.Module:
     """A tiny decoder: ``dense``/``moe`` (plait reference models) or ``llama`` (Hugging Face)."""
     if kind == "dense":
-        return DenseDecoder(DecoderConfig(vocab_size=VOCAB, num_hidden_layers=layers))
+        return DenseDecoder(DecoderConfig(vocab_size=PIPELINE_VOCAB, num_hidden_layers=layers))
     if kind == "moe":
-        return MoEDecoder(MoEDecoderConfig(vocab_size=VOCAB, num_hidden_layers=layers))
-    return tiny_hf_model("llama", seed=None, vocab_size=VOCAB, num_hidden_layers=layers)
+        return MoEDecoder(MoEDecoderConfig(vocab_size=PIPELINE_VOCAB, num_hidden_layers=layers))
+    return tiny_hf_model("llama", seed=None, vocab_size=PIPELINE_VOCAB, num_hidden_layers=layers)
 
 
 def _pipeline_step(pipe: Pipeline, batch: Inputs) -> torch.Tensor:
@@ -40,7 +40,7 @@ def _pipeline_step(pipe: Pipeline, batch: Inputs) -> torch.Tensor:
     return pipe.step(kwargs["input_ids"], labels)
 
 
-def run_case(
+def pipeline_parity(
     case: str,
     kind: str,
     layers: int,
@@ -55,13 +55,13 @@ def run_case(
     of them free their gathered parameters after forward (``resharded_after_forward``, PP wants 0).
     """
     torch.manual_seed(0)
-    reference = build(kind, layers)
+    reference = pipeline_decoder(kind, layers)
     ctx = MeshContext.build(fsdp or FSDP2Config(mp_policy=None), sizes)
     pipe = pipeline_model(copy.deepcopy(reference), ctx, lm_loss, pipe_config)
     dp_mesh = ctx.dp_mesh()
     return run_parity(
         lambda: (reference, pipe),
-        token_batches(VOCAB, dp_mesh.size(), batch=per_replica_batch),
+        token_batches(PIPELINE_VOCAB, dp_mesh.size(), batch=per_replica_batch),
         dp_rank=dp_mesh.get_local_rank(),
         case=case,
         parallel_step=_pipeline_step,

@@ -1,13 +1,26 @@
-"""The families to sweep and their tiny configs (hidden 128, 2 layers, small vocab)."""
+"""The Hugging Face TP sweep's families and their tiny configs (hidden 128, 2 layers, vocab 128).
+
+Every causal-LM family of the installed transformers whose config declares a ``base_model_tp_plan``
+(``tools/hf_sweep``), built from :data:`SWEEP_HF_SIZES`, the heads for the TP size and the few
+per-family :data:`SWEEP_HF_OVERRIDES`. ``transformers`` is imported inside the functions.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-VOCAB = 128
+__all__ = [
+    "SWEEP_HF_HEADS",
+    "SWEEP_HF_OVERRIDES",
+    "SWEEP_HF_SIZES",
+    "sweep_hf_config",
+    "sweep_hf_families",
+]
 
-COMMON: dict[str, Any] = {
-    "vocab_size": VOCAB,
+_VOCAB = 128
+
+SWEEP_HF_SIZES: dict[str, Any] = {
+    "vocab_size": _VOCAB,
     "hidden_size": 128,
     "intermediate_size": 256,
     "num_hidden_layers": 2,
@@ -29,7 +42,7 @@ COMMON: dict[str, Any] = {
     "n_group": 1,
     "topk_group": 1,
 }
-HEADS = {
+SWEEP_HF_HEADS: dict[int, dict[str, int]] = {
     2: {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32},
     4: {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 16},
 }
@@ -44,7 +57,7 @@ _LATENT = {
 }
 # a vision / audio tower of one small block (the text model alone is under test)
 _TINY_TOWER = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
-OVERRIDES: dict[str, dict[str, Any]] = {
+SWEEP_HF_OVERRIDES: dict[str, dict[str, Any]] = {
     # families whose configs need more than the common fields to build at this size
     "axk1": _LATENT,
     "beam": {
@@ -64,7 +77,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma4_text": {"enable_moe_block": True, "top_k_experts": 2},  # the MoE block is off by default
     "gemma3n_text": {  # one of the two layers reuses the other's KV (default: the last 15 of 35 layers)
         "num_kv_shared_layers": 1,
-        "vocab_size_per_layer_input": VOCAB,  # per-layer input embeddings: 262k x 256 per layer by default
+        "vocab_size_per_layer_input": _VOCAB,  # per-layer input embeddings: 262k x 256 per layer by default
         "hidden_size_per_layer_input": 16,
     },
     "gptj": {"rotary_dim": 16},  # rotary part of each head: at most head_dim (16 at tp 4)
@@ -94,7 +107,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 }
 
 
-def sweep_families(only: list[str] | None = None) -> list[str]:
+def sweep_hf_families(only: list[str] | None = None) -> list[str]:
     """Causal-LM model types of the installed transformers whose config declares a ``base_model_tp_plan``."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -115,12 +128,12 @@ def sweep_families(only: list[str] | None = None) -> list[str]:
     return found
 
 
-def tiny_config(model_type: str, tp: int) -> Any:
+def sweep_hf_config(model_type: str, tp: int) -> Any:
     """The family's tiny config for ``tp`` (4 heads / 2 KV heads at tp 2, 8 / 4 at tp 4), eager attention, no dropout."""
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    fields = {**COMMON, **HEADS[tp], **OVERRIDES.get(model_type, {})}
+    fields = {**SWEEP_HF_SIZES, **SWEEP_HF_HEADS[tp], **SWEEP_HF_OVERRIDES.get(model_type, {})}
     config_cls = CONFIG_MAPPING[model_type]
     if hasattr(config_cls, "kv_lora_rank"):  # latent attention: keys/values come per query head
         fields["num_key_value_heads"] = fields["num_attention_heads"]

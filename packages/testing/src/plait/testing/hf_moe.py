@@ -1,16 +1,17 @@
 """Tiny, unmodified Hugging Face MoE models and a lean multi-rank parity driver for expert parallel.
 
-Each family is built from its own ``transformers`` config class with random weights (no download). The
-driver compares, per parameter and relative to the reference's largest entry, step-0 gradients and the
-parameters after 2 SGD steps, the router auxiliary loss on this rank's rows, the state-dict keys, and the
-expert bytes each rank holds; the reference's router margins are recorded over every forward.
+Each family is built from its own ``transformers`` config class (``HF_MOE_FAMILIES`` of
+:mod:`plait.testing.hf_models`) with random weights (no download). The driver compares, per
+parameter and relative to the reference's largest entry, step-0 gradients and the parameters after
+2 SGD steps, the router auxiliary loss on this rank's rows, the state-dict keys, and the expert
+bytes each rank holds; the reference's router margins are recorded over every forward. Needs
+plait-sidecar and transformers, which plait-testing does not declare.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,82 +22,41 @@ from torch.distributed.tensor import DTensor
 
 from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
 from plait.sidecar import parallelize_model
+from plait.testing.hf_models import HF_MOE_FAMILIES, HF_MOE_SIZES, hf_moe_config
 from plait.testing.parity import clean_fqn, full_tensor
-from tests.sidecar._routing_margin import Margins, record_routing_margins
+from plait.testing.routing import Margins, record_routing_margins
 
-VOCAB, SEQ, ROWS = 64, 8, 8
+__all__ = [
+    "HF_MOE_LAYOUTS",
+    "HF_MOE_SEEDS",
+    "HFMoEResult",
+    "expert_bytes",
+    "hf_moe_available",
+    "hf_moe_cases",
+    "hf_moe_model",
+    "hf_moe_parity",
+    "hf_moe_reference_margin",
+]
+
+VOCAB, SEQ, ROWS = HF_MOE_SIZES["vocab_size"], 8, 8
 """ROWS: the global batch, the same for every layout (each data-parallel rank takes ROWS / dp rows)."""
 SGD_LR = 0.5
-_COMMON = {
-    "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "use_cache": False,
-    "output_router_logits": True,
-    "tie_word_embeddings": False,
-}
-FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
-    "mixtral": ("MixtralConfig", {"intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2}),
-    "qwen2_moe": (
-        "Qwen2MoeConfig",
-        {
-            "intermediate_size": 32,
-            "moe_intermediate_size": 16,
-            "shared_expert_intermediate_size": 16,
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-        },
-    ),
-    "qwen3_moe": (
-        "Qwen3MoeConfig",
-        {"moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2, "head_dim": 8},
-    ),
-    "olmoe": ("OlmoeConfig", {"intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2}),
-    "deepseek_v3": (
-        "DeepseekV3Config",
-        {
-            "intermediate_size": 32,
-            "moe_intermediate_size": 16,
-            "n_routed_experts": 4,
-            "n_shared_experts": 1,
-            "num_experts_per_tok": 2,
-            "first_k_dense_replace": 1,
-            "n_group": 1,
-            "topk_group": 1,
-            "q_lora_rank": 16,
-            "kv_lora_rank": 16,
-            "qk_rope_head_dim": 4,
-            "qk_nope_head_dim": 4,
-            "v_head_dim": 8,
-            "num_key_value_heads": 4,
-        },
-    ),
-    "gpt_oss": (
-        "GptOssConfig",
-        {"intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 8},
-    ),
-}
-SEEDS = {"mixtral": 12, "qwen2_moe": 2, "qwen3_moe": 1, "olmoe": 13, "deepseek_v3": 2, "gpt_oss": 1}
-"""Init seed per family whose reference keeps a >= 2e-3 router margin (:func:`reference_margin`)."""
-LAYOUTS = {"ep=2": {"ep_size": 2}, "ep=4": {"ep_size": 4}, "ep=2 x tp=2": {"ep_size": 2, "tp_size": 2}}
+HF_MOE_SEEDS = {"mixtral": 12, "qwen2_moe": 2, "qwen3_moe": 1, "olmoe": 13, "deepseek_v3": 2, "gpt_oss": 1}
+"""Init seed per family whose reference keeps a >= 2e-3 router margin (:func:`hf_moe_reference_margin`)."""
+HF_MOE_LAYOUTS = {"ep=2": {"ep_size": 2}, "ep=4": {"ep_size": 4}, "ep=2 x tp=2": {"ep_size": 2, "tp_size": 2}}
 """On 4 ranks: ep=2 is ep_shard=2 x ep=2. Under tp=2 the model's own Hugging Face plan applies (its
 expert entries dropped: the experts are expert-parallel)."""
 
 
-def available(family: str) -> bool:
-    """Whether the locked transformers has this family."""
-    return hasattr(transformers, FAMILIES[family][0])
+def hf_moe_available(family: str) -> bool:
+    """Whether the locked transformers has this family of :data:`HF_MOE_FAMILIES`."""
+    return hasattr(transformers, HF_MOE_FAMILIES[family][0])
 
 
-def build(family: str, seed: int | None = None) -> nn.Module:
+def hf_moe_model(family: str, seed: int | None = None) -> nn.Module:
     """The tiny causal LM of ``family`` with seeded random weights (eager attention)."""
-    config_name, extra = FAMILIES[family]
-    config = getattr(transformers, config_name)(**(_COMMON | extra))
-    config._attn_implementation = "eager"
-    torch.manual_seed(SEEDS[family] if seed is None else seed)
+    config = hf_moe_config(family)
+    torch.manual_seed(HF_MOE_SEEDS[family] if seed is None else seed)
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
@@ -139,7 +99,7 @@ def expert_bytes(model: nn.Module) -> tuple[int, int]:
 
 
 @dataclass
-class HFResult:
+class HFMoEResult:
     """One family x layout on one rank."""
 
     case: str
@@ -155,6 +115,7 @@ class HFResult:
     margins: Margins = field(default_factory=Margins)
 
     def check(self) -> None:
+        """Assert the router margin, fp32 parity (1e-5), unchanged keys and 1/(ep x ep_shard) expert bytes."""
         self.margins.check()
         assert self.loss_diff <= 1e-5, self
         assert self.grad_rel <= 1e-5, self
@@ -164,9 +125,9 @@ class HFResult:
         assert abs(self.held_ratio - 1.0) <= 0.02, self
 
 
-def reference_margin(family: str, seed: int) -> float:
-    """One process: the reference's smallest router margin over :func:`hf_parity`'s two SGD steps."""
-    model = build(family, seed)
+def hf_moe_reference_margin(family: str, seed: int) -> float:
+    """One process: the reference's smallest router margin over :func:`hf_moe_parity`'s two SGD steps."""
+    model = hf_moe_model(family, seed)
     margins = record_routing_margins(model)
     opt = torch.optim.SGD(model.parameters(), lr=SGD_LR)
     for step in range(2):
@@ -176,13 +137,13 @@ def reference_margin(family: str, seed: int) -> float:
     return margins.smallest
 
 
-def hf_parity(family: str, layout: str, seed: int | None = None) -> HFResult:
-    """Run one family at one layout of :data:`LAYOUTS` on the current ranks."""
-    sizes = LAYOUTS[layout]
+def hf_moe_parity(family: str, layout: str, seed: int | None = None) -> HFMoEResult:
+    """Run one family at one layout of :data:`HF_MOE_LAYOUTS` on the current ranks."""
+    sizes = HF_MOE_LAYOUTS[layout]
     config = FSDP2Config(mp_policy=None)
     ctx = MeshContext.build(config, ParallelismSizes(**sizes))
-    result = HFResult(f"{family} {layout}")
-    ref = build(family, seed)
+    result = HFMoEResult(f"{family} {layout}")
+    ref = hf_moe_model(family, seed)
     keys = list(ref.state_dict())
     par = parallelize_model(copy.deepcopy(ref), ctx)
     record_routing_margins(ref, result.margins)
@@ -213,6 +174,6 @@ def hf_parity(family: str, layout: str, seed: int | None = None) -> HFResult:
     return result
 
 
-def hf_cases(cases: list[tuple[str, str]]) -> list[HFResult]:
+def hf_moe_cases(cases: list[tuple[str, str]]) -> list[HFMoEResult]:
     """Several (family, layout) cases in one multi-rank body."""
-    return [hf_parity(family, layout) for family, layout in cases]
+    return [hf_moe_parity(family, layout) for family, layout in cases]

@@ -15,10 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
+__all__ = ["MIN_MARGIN", "Margins", "record_routing_margins"]
+
 MIN_MARGIN = 1e-3
 """Least gap between the k-th and (k+1)-th router logit, relative to the largest |logit| of the call."""
 
-ROUTER_NAMES = ("gate", "router")
+_ROUTER_NAMES = ("gate", "router")
 
 
 @dataclass
@@ -31,6 +33,7 @@ class Margins:
     where: str = ""
 
     def record(self, name: str, logits: torch.Tensor, top_k: int, scale: torch.Tensor | None = None) -> None:
+        """Measure one router call of ``name``: ``logits [..., experts]``, relative to ``scale`` (or the logits)."""
         logits = logits.detach().float().reshape(-1, logits.shape[-1])
         top = torch.topk(logits, top_k + 1, dim=-1).values
         gap = top[:, top_k - 1] - top[:, top_k]
@@ -42,6 +45,7 @@ class Margins:
             self.smallest, self.where = worst, name
 
     def check(self) -> None:
+        """Assert a router was measured and the smallest margin is at least :data:`MIN_MARGIN`."""
         assert self.calls > 0, "no router call was measured"
         assert self.smallest >= MIN_MARGIN, (
             f"router margin {self.smallest:.2e} < {MIN_MARGIN} at {self.where}: the data sits near a "
@@ -85,7 +89,7 @@ def record_routing_margins(model: nn.Module, margins: Margins | None = None) -> 
     for fqn, module in model.named_modules():
         if not isinstance(getattr(module, "experts", None), nn.Module):
             continue
-        for attr in ROUTER_NAMES:
+        for attr in _ROUTER_NAMES:
             router = getattr(module, attr, None)
             if isinstance(router, nn.Module):
                 router.register_forward_hook(_Hook(margins, f"{fqn}.{attr}", _top_k(router, model)))

@@ -2,7 +2,8 @@
 
 Every rank builds the same seeded model and keeps an unsharded copy. The reference trains on the
 whole global batch; each rank trains on its data-parallel rows, split along the sequence by
-`plait.cp.shard_sequence` (the driver's ``local_inputs`` hook).
+`plait.cp.shard_sequence` (the driver's ``local_inputs`` hook). Needs plait-cp (and plait-sidecar for
+:func:`cp_parity`), which plait-testing does not declare.
 """
 
 from __future__ import annotations
@@ -14,27 +15,34 @@ from torch import nn
 
 from plait.cp import shard_sequence
 from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
-from plait.testing import Inputs, paired, run_parity, tiny_hf_model, token_batches
+from plait.testing.driver import Inputs, paired, run_parity, token_batches
+from plait.testing.hf_models import tiny_hf_model
+from plait.testing.sweep import case_row
 
-VOCAB = 96
-SEQ = 16
+__all__ = ["CP_SEQ", "CP_VOCAB", "cp_decoder", "cp_parity"]
+
+CP_VOCAB = 96
+CP_SEQ = 16
 
 
-def build_model(kind: str) -> nn.Module:
+def cp_decoder(kind: str) -> nn.Module:
     """A tiny seeded causal LM: ``llama`` / ``qwen3`` (Hugging Face, tied) or ``dense`` (plait reference)."""
     if kind == "dense":
         from plait.models import DecoderConfig, DenseDecoder
 
         torch.manual_seed(0)
-        return DenseDecoder(DecoderConfig(vocab_size=VOCAB))
+        return DenseDecoder(DecoderConfig(vocab_size=CP_VOCAB))
     tied = {"tie_word_embeddings": True} if kind == "qwen3" else {}
-    return tiny_hf_model(kind, attn_implementation="sdpa", vocab_size=VOCAB, **tied)
+    return tiny_hf_model(kind, attn_implementation="sdpa", vocab_size=CP_VOCAB, **tied)
 
 
 def cp_parity(
     kind: str, sizes: dict[str, int], options: dict[str, Any], ac: str | bool = False
 ) -> dict[str, Any]:
-    """One configuration on this rank: loss / gradient / parameter / AdamW differences and what was used."""
+    """One configuration on this rank: loss / gradient / parameter / AdamW differences and what was used.
+
+    ``ok``: every difference within the driver's fp32 tolerances (and gradients compared).
+    """
     from plait.sidecar import compile_parallelized_model, parallelize_model  # not plait-cp dependencies
 
     ctx = MeshContext.build(
@@ -56,8 +64,8 @@ def cp_parity(
 
     dp = ctx.dp_mesh()
     parity = run_parity(
-        paired(lambda: build_model(kind), parallelize),
-        token_batches(VOCAB, dp.size(), seq=SEQ),
+        paired(lambda: cp_decoder(kind), parallelize),
+        token_batches(CP_VOCAB, dp.size(), seq=CP_SEQ),
         dp_rank=dp.get_local_rank(),
         case=f"{kind} {sizes} {options} ac={ac}",
         local_inputs=local,
@@ -71,4 +79,5 @@ def cp_parity(
         "adamw_loss_diff": max(parity.adamw_loss_diffs),
         "compared": parity.grads_compared,
         "local_seq": local_seq[0],
+        "ok": case_row(parity)["ok"],
     }
