@@ -237,7 +237,7 @@ def test_presets_build_the_same_classes_and_test_is_the_defaults():
 
 def test_the_decoders_carry_no_tp_plan():
     """The tensor-parallel plan lives in plait.tp, registered there by class name."""
-    for cls in (DenseDecoder, MoEDecoder):
+    for cls in (DenseDecoder, MoEDecoder, VLM):
         assert not hasattr(cls, "_tp_plan"), cls.__name__
 
 

@@ -50,7 +50,6 @@ def test_each_unit_prefetches_the_configured_depths(forward: int, backward: int)
     [
         {"enable_prefetch": False},
         {"reshard_after_forward": False},
-        {"pipeline_parallel": True},
         {"forward_prefetch_depth": 0, "backward_prefetch_depth": 0},
     ],
 )

@@ -9,7 +9,12 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from plait.sharding import apply_fsdp_sharding, fully_shard_root, select_fsdp_units
+from plait.sharding import (
+    apply_fsdp_sharding,
+    fully_shard_root,
+    select_fsdp_units,
+    unit_reshard_after_forward,
+)
 from plait.testing.fake_pg import fake_process_group
 from plait.testing.models import NestedContainerModel
 
@@ -93,8 +98,6 @@ def _shard(model: nn.Module, world: int = 4, **kwargs: Any) -> _Recorder:
     ("kwargs", "expected"),
     [
         ({}, [True, False, False, True, True, False]),  # last element of each container stays gathered
-        ({"pipeline_parallel": True}, [False] * 6),
-        ({"pipeline_parallel": True, "reshard_after_forward": True}, [True] * 6),
         ({"reshard_after_forward": False}, [False] * 6),
     ],
 )
@@ -118,3 +121,26 @@ def test_exclude_and_ignored_params() -> None:
         )
     assert units == [model.towers["a"][0], model.towers["a"][1]]  # towers.b.0 has nothing left to shard
     assert not any(isinstance(m, FSDPModule) for m in model.stack.modules())
+
+
+@pytest.mark.parametrize(
+    ("role", "options", "expected"),
+    [
+        ("layer", {"last": False}, True),
+        ("layer", {"last": True}, False),  # needed first in backward: freeing it only costs a gather
+        ("layer", {"pipeline_stage": True}, False),  # every microbatch would gather it again
+        ("layer", {"pipeline_stage": True, "explicit": True}, True),  # an explicit value wins
+        ("layer", {"explicit": 2}, 2),
+        ("experts", {"last": True}, True),
+        ("experts", {"explicit": True, "replays_ops": True}, False),  # selective recompute replays by index
+        ("input_embedding", {}, True),
+        ("input_embedding", {"explicit": False}, False),
+        ("input_embedding", {"pipeline_stage": True}, False),
+        ("output_embedding", {"explicit": True}, False),
+        ("root", {"explicit": True}, False),
+        ("head", {}, False),
+        ("child", {}, False),
+    ],
+)
+def test_one_reshard_policy_for_every_unit(role: str, options: dict, expected: bool | int) -> None:
+    assert unit_reshard_after_forward(role, **options) == expected

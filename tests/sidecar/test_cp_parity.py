@@ -37,10 +37,7 @@ def _check(cases: list[tuple[Any, ...]], world: int) -> None:
             label = f"rank {rank} {case}"
             assert r["compared"] >= 20, label
             assert r["local_seq"] == 16 // case[1]["cp_size"], label  # the sequence really was split
-            assert r["loss_diff"] <= 1e-5, (label, r)
-            assert r["grad_rel"] <= 1e-5, (label, r)
-            assert r["param_diff"] <= 1e-5, (label, r)
-            assert r["adamw_loss_diff"] <= 1e-4, (label, r)
+            assert r["ok"], (label, r)  # the driver's fp32 contract: loss, gradients, SGD, AdamW vs its floor
 
 
 def test_cp2_both_variants_hf() -> None:

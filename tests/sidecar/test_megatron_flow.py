@@ -1,4 +1,4 @@
-"""Megatron-FSDP through parallelize_model: the package is called last, after TP and trainability.
+"""Megatron-FSDP through parallelize_model: the package is called last; what no parity run covers is refused.
 
 The package itself runs on CUDA only; here a stand-in records its call (tests/strategies holds the
 package-level tests and the GPU parity run).
@@ -34,48 +34,45 @@ def _model() -> MoEDecoder:
     return MoEDecoder(MoEDecoderConfig())
 
 
-@pytest.mark.parametrize(
-    ("sizes", "shard_dim", "tp_applied"),
-    [
-        (ParallelismSizes(), "dp", False),
-        (ParallelismSizes(tp_size=2), "dp", True),
-    ],
-)
-def test_flow_calls_the_package_after_tp_and_trainability(
-    calls: list[dict[str, Any]], fake_pg: Any, sizes: ParallelismSizes, shard_dim: str, tp_applied: bool
-) -> None:
+def test_flow_calls_the_package_last_after_trainability(calls: list[dict[str, Any]], fake_pg: Any) -> None:
     model, order = _model(), []
-    config = MegatronFSDPConfig(zero_dp_strategy=2, tp_plan=_TP_PLAN)
     with fake_pg(4):
-        ctx = MeshContext.build(config, sizes, reapply_trainability=lambda m: order.append(len(calls)))
+        ctx = MeshContext.build(
+            MegatronFSDPConfig(zero_dp_strategy=2), reapply_trainability=lambda m: order.append(len(calls))
+        )
         out = parallelize_model(model, ctx)
     assert out is model and order == [0] and len(calls) == 1
     call = calls[0]
-    assert call["dp_shard_dim"] == shard_dim and call["tp_dim"] == "tp"
+    assert call["dp_shard_dim"] == "dp" and call["tp_dim"] == "tp"
     assert call["fsdp_unit_modules"] == [MoEDecoderLayer] and call["zero_dp_strategy"] == 2
-    assert call["tp_applied"] is tp_applied
 
 
-def test_single_data_parallel_rank_applies_tp_only(monkeypatch: pytest.MonkeyPatch, fake_pg: Any) -> None:
-    monkeypatch.setitem(sys.modules, "megatron_fsdp", None)  # not needed: nothing to shard
-    model = _model()
-    with fake_pg(2):
-        ctx = MeshContext.build(MegatronFSDPConfig(tp_plan=_TP_PLAN), ParallelismSizes(tp_size=2))
-        with pytest.warns(
-            UserWarning, match=r"dp=1, cp=1: one data-parallel rank, nothing to shard \(tp=2\)"
-        ):
-            out = parallelize_model(model, ctx)
-    assert out is model
-    assert isinstance(model.model.layers[1].self_attn.q_proj.weight, DTensor)
-
-
-def test_missing_package_is_refused_by_the_plan_before_tp(
-    monkeypatch: pytest.MonkeyPatch, fake_pg: Any
+@pytest.mark.parametrize(
+    ("sizes", "ac", "refused"),
+    [
+        (ParallelismSizes(tp_size=2), False, "Megatron-FSDP does not support tp_size=2: no parity run"),
+        (ParallelismSizes(), "full", "Megatron-FSDP does not support activation_checkpointing='full'"),
+        (
+            ParallelismSizes(),
+            "selective",
+            "Megatron-FSDP does not support activation_checkpointing='selective'",
+        ),
+    ],
+)
+def test_unverified_combinations_are_refused_before_anything_changes(
+    calls: list[dict[str, Any]], fake_pg: Any, sizes: ParallelismSizes, ac: Any, refused: str
 ) -> None:
-    monkeypatch.setitem(sys.modules, "megatron_fsdp", None)
     model = _model()
     with fake_pg(4):
-        ctx = MeshContext.build(MegatronFSDPConfig(tp_plan=_TP_PLAN), ParallelismSizes(tp_size=2))
-        with pytest.raises(ImportError, match="optional megatron-fsdp package"):
+        ctx = MeshContext.build(MegatronFSDPConfig(tp_plan=_TP_PLAN), sizes, activation_checkpointing=ac)
+        with pytest.raises(ValueError, match=refused):
             parallelize_model(model, ctx)
-    assert not isinstance(model.model.layers[1].self_attn.q_proj.weight, DTensor)  # nothing changed
+    assert not calls and not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_missing_package_is_refused_by_the_plan(monkeypatch: pytest.MonkeyPatch, fake_pg: Any) -> None:
+    monkeypatch.setitem(sys.modules, "megatron_fsdp", None)
+    with fake_pg(4):
+        ctx = MeshContext.build(MegatronFSDPConfig())
+        with pytest.raises(ImportError, match="optional megatron-fsdp package"):
+            parallelize_model(_model(), ctx)

@@ -87,6 +87,14 @@ COMBINATION_RULES: tuple[CombinationRule, ...] = (
         for axis in ("dp_replicate", "ep", "pp")
     ),
     _rule({"megatron_fsdp", "sp"}, "Megatron-FSDP is not built with sequence parallel here", _MEGATRON_FIX),
+    *(
+        _rule(
+            {"megatron_fsdp", item},
+            "no parity run of it exists yet (the megatron-fsdp package needs >= 2 CUDA GPUs, none was lent)",
+            "use FSDP2Config (strategy fsdp2), which builds it, or turn it off",
+        )
+        for item in ("tp", "ac_full", "ac_selective")
+    ),
     _rule(
         {"megatron_fsdp", "cp"},
         "plait's context-parallel attention is built into the FSDP2 flow only",
@@ -120,6 +128,12 @@ COMBINATION_RULES: tuple[CombinationRule, ...] = (
         {"pp", "ep", "ac_selective"},
         "MoE routing saved under checkpointing is not built inside pipeline stages yet",
         "turn activation checkpointing off or set pp_size or ep_size to 1",
+    ),
+    _rule(
+        {"pp", "sp"},
+        "sequence-sharded activations cannot cross pipeline stages yet (torch's pipelining finds no 'tp' "
+        "mesh for their DTensor metadata)",
+        "set sequence_parallel to False or pp_size to 1",
     ),
     _rule({"pp", "multimodal"}, "pipeline stages split decoders only", "set pp_size to 1"),
     _rule({"cp", "multimodal"}, "media tokens are not sequence-sharded", "set cp_size to 1"),

@@ -246,21 +246,6 @@ class DecoderModel(nn.Module):
         return self.norm(hidden_states)
 
 
-def llama_tp_plan_for(prefix: str, head: str = "lm_head", *, mlp: bool = True) -> dict[str, str]:
-    """A Hugging Face style ``_tp_plan`` for a :class:`DecoderModel` at ``prefix`` (``VLM`` still reads it).
-
-    plait.tp's registered Llama-style plan takes precedence over it for the reference classes.
-    """
-    layers = f"{prefix}.layers.*"
-    plan = {f"{layers}.self_attn.{p}_proj": "colwise" for p in "qkv"}
-    plan[f"{layers}.self_attn.o_proj"] = "rowwise"
-    if mlp:
-        plan.update({f"{layers}.mlp.gate_proj": "colwise", f"{layers}.mlp.up_proj": "colwise"})
-        plan[f"{layers}.mlp.down_proj"] = "rowwise"
-    plan[head] = "colwise_rep"
-    return plan
-
-
 class CausalLM(nn.Module):
     """A backbone ``model`` and the output head ``lm_head`` (sharing the input table when tied).
 

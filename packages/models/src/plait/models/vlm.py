@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.models.attention import AttentionFn, sdpa_attention
-from plait.models.dense import DecoderConfig, DecoderModel, llama_tp_plan_for
+from plait.models.dense import DecoderConfig, DecoderModel
 
 __all__ = ["VLM", "VLMConfig", "VisionBlock", "VisionConfig", "VisionTower", "freeze_vision"]
 
@@ -155,7 +155,6 @@ class VLM(nn.Module):
     """
 
     _no_split_modules: ClassVar[list[str]] = ["DecoderLayer", "VisionBlock"]
-    _tp_plan: ClassVar[dict[str, str]] = llama_tp_plan_for("language_model")
 
     def __init__(self, config: VLMConfig | None = None) -> None:
         super().__init__()

@@ -77,7 +77,8 @@ def cp_parity(
         "param_diff": parity.param_diff,
         "worst_param": parity.worst_param,
         "adamw_loss_diff": max(parity.adamw_loss_diffs),
+        "adamw_floor": parity.adamw_floor,
         "compared": parity.grads_compared,
         "local_seq": local_seq[0],
-        "ok": case_row(parity)["ok"],
+        **{k: v for k, v in case_row(parity).items() if k in ("ok", "why")},
     }
