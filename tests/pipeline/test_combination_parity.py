@@ -35,6 +35,7 @@ from plait.testing import (
     run_parity,
     token_batches,
 )
+from tests.sidecar.test_combination_parity import check_combination_case
 
 LAYERS = 4
 MOE = MoEDecoderConfig(vocab_size=PIPELINE_VOCAB, num_hidden_layers=2, num_experts=4)
@@ -111,12 +112,4 @@ def _parity(name: str, case: Case) -> tuple[Parity, Margins | None]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_pipeline_combination_matches_reference(name: str) -> None:
     case = CASES[name]
-    results = run_on_ranks(_parity, case.world, name, case, timeout=600)
-    for parity, margins in results:
-        parity.check()
-        if margins is not None:
-            margins.check()  # no top-k near-tie: CPU rounding cannot flip an expert choice
-        facts = parity.extra
-        assert set(case.meshes) <= facts["mesh_dims"], (name, facts)
-        assert (facts["checkpointed"] > 0) == bool(case.ac), (name, facts)
-        assert (facts["compiled"] > 0) == bool(case.options.get("enable_compile")), (name, facts)
+    check_combination_case(name, case, run_on_ranks(_parity, case.world, name, case, timeout=600))

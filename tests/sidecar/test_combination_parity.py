@@ -19,15 +19,16 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.tensor import DTensor
 
-from plait.cp import shard_sequence
 from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
 from plait.models import DecoderConfig, DenseDecoder, MoEDecoder, MoEDecoderConfig
-from plait.sidecar import compile_parallelized_model, parallelize_model
+from plait.sidecar import parallelize_model
 from plait.testing import (
     GLOBAL_BATCH_SEQ,
+    STEPS,
     Inputs,
     Margins,
     Parity,
+    cp_local_inputs,
     global_batch,
     local_slice,
     paired,
@@ -35,7 +36,6 @@ from plait.testing import (
     run_on_ranks,
     run_parity,
 )
-from tests.sidecar._parity import STEPS
 
 VOCAB = 64
 MOE = MoEDecoderConfig(vocab_size=VOCAB, num_experts=8, zero_token_experts=(1, 2, 6))
@@ -141,18 +141,10 @@ def _parity(name: str, case: Case) -> tuple[Parity, Margins | None]:
     )
 
     def parallelize(model: nn.Module) -> nn.Module:
-        model = parallelize_model(model, ctx)
-        compile_parallelized_model(model, ctx)  # a no-op unless the case sets enable_compile
-        return model
+        return parallelize_model(model, ctx)  # compiles the layers when the case sets enable_compile
 
     local_seq: list[int] = []
-
-    def local(batch: Inputs) -> Inputs:
-        """This cp rank's chunks of the sequence, with their global positions."""
-        kwargs, labels = batch
-        part = shard_sequence({**kwargs, "labels": labels}, ctx)
-        local_seq.append(int(part["input_ids"].shape[1]))
-        return {"input_ids": part["input_ids"], "position_ids": part["position_ids"]}, part["labels"]
+    local = cp_local_inputs(ctx, local_seq)
 
     margins = Margins() if case.model == "moe" else None
     dp = ctx.dp_mesh()
@@ -168,7 +160,7 @@ def _parity(name: str, case: Case) -> tuple[Parity, Margins | None]:
     return parity, margins
 
 
-def _check(name: str, case: Case, results: list[tuple[Parity, Margins | None]]) -> None:
+def check_combination_case(name: str, case: Any, results: list[tuple[Parity, Margins | None]]) -> None:
     """Parity on every rank, and the facts that show the combination was applied."""
     for parity, margins in results:
         parity.check()
@@ -178,17 +170,17 @@ def _check(name: str, case: Case, results: list[tuple[Parity, Margins | None]]) 
         assert set(case.meshes) <= facts["mesh_dims"], (name, facts)
         assert (facts["checkpointed"] > 0) == bool(case.ac), (name, facts)
         assert (facts["compiled"] > 0) == bool(case.options.get("enable_compile")), (name, facts)
-        if case.sizes.get("cp_size", 1) > 1:
+        if getattr(case, "sizes", {}).get("cp_size", 1) > 1:
             assert facts["local_seq"] == [GLOBAL_BATCH_SEQ // case.sizes["cp_size"]], (name, facts)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_combination_matches_reference(name: str) -> None:
     case = CASES[name]
-    _check(name, case, run_on_ranks(_parity, case.world, name, case, timeout=300))
+    check_combination_case(name, case, run_on_ranks(_parity, case.world, name, case, timeout=300))
 
 
 @pytest.mark.parametrize("name", list(COMPILED))
 def test_compiled_combination_matches_reference(name: str) -> None:
     case = COMPILED[name]
-    _check(name, case, run_on_ranks(_parity, case.world, name, case, timeout=600))
+    check_combination_case(name, case, run_on_ranks(_parity, case.world, name, case, timeout=600))

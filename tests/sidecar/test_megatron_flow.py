@@ -7,7 +7,6 @@ package-level tests and the GPU parity run).
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,16 +16,14 @@ from torch.distributed.tensor import DTensor
 from plait.mesh import MegatronFSDPConfig, MeshContext, ParallelismSizes
 from plait.models import MoEDecoder, MoEDecoderConfig, MoEDecoderLayer
 from plait.sidecar import parallelize_model
-from tests.strategies._megatron_stand_in import CURRENT, stand_in
+from tests.strategies._megatron_stand_in import install_stand_in
 
 _TP_PLAN = {"model.layers.*.self_attn.q_proj": "colwise"}
 
 
 @pytest.fixture
-def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]]]:
-    recorded: list[dict[str, Any]] = []
-    monkeypatch.setitem(sys.modules, "megatron_fsdp", stand_in("0.6.1", CURRENT, recorded))
-    yield recorded
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    return install_stand_in(monkeypatch)
 
 
 def _model() -> MoEDecoder:

@@ -4,30 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 import types
 from typing import Any
 
+import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-COMMON = [
-    "module",
-    "device_mesh",
-    "dp_shard_dim",
-    "tp_dim",
-    "fsdp_unit_modules",
-    "zero_dp_strategy",
-    "device",
-    "init_model_with_meta_device",
-    "overlap_grad_reduce",
-    "overlap_param_gather",
-    "average_in_collective",
-    "disable_bucketing",
-    "calculate_per_token_loss",
-    "keep_fp8_transpose_cache",
-    "nccl_ub",
-    "fsdp_double_buffer",
-]
+from plait.strategies._megatron_api import _COMMON_PARAMS
+
+COMMON = list(_COMMON_PARAMS)
+"""The parameters both API generations of the package take (as plait checks them)."""
 
 
 @dataclasses.dataclass
@@ -69,3 +57,10 @@ def stand_in(version: str, params: list[str], calls: list[dict[str, Any]]) -> ty
 
 CURRENT = [*COMMON, "mixed_precision_policy", "report_nan_in_param_grad"]
 LEGACY = [*COMMON, "grad_reduce_in_fp32", "preserve_fp32_weights", "check_for_nan_in_grad"]
+
+
+def install_stand_in(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Install the stand-in (current API) as ``megatron_fsdp`` for one test; return its recorded calls."""
+    recorded: list[dict[str, Any]] = []
+    monkeypatch.setitem(sys.modules, "megatron_fsdp", stand_in("0.6.1", CURRENT, recorded))
+    return recorded

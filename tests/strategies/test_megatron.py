@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,16 +20,21 @@ from plait.mesh import MegatronFSDPConfig, MeshContext, ParallelismSizes
 from plait.models import MoEDecoder, MoEDecoderConfig, MoEDecoderLayer
 from plait.strategies import check_megatron_fsdp, shard_megatron_fsdp
 from plait.strategies._megatron_api import load_api, resolve_unit_modules, translate_config
-from tests.strategies._megatron_stand_in import COMMON, CURRENT, LEGACY, Policy, stand_in
+from tests.strategies._megatron_stand_in import (
+    COMMON,
+    CURRENT,
+    LEGACY,
+    Policy,
+    install_stand_in,
+    stand_in,
+)
 
 _HAS_MEGATRON = importlib.util.find_spec("megatron_fsdp") is not None
 
 
 @pytest.fixture
-def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]]]:
-    recorded: list[dict[str, Any]] = []
-    monkeypatch.setitem(sys.modules, "megatron_fsdp", stand_in("0.6.1", CURRENT, recorded))
-    yield recorded
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    return install_stand_in(monkeypatch)
 
 
 def _model() -> MoEDecoder:

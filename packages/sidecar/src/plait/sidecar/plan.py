@@ -45,7 +45,7 @@ from plait.strategies import (
     validate_moe_tp_plan,
     wraps_root,
 )
-from plait.tp import resolve_tp_plan_with_source
+from plait.tp import resolve_tp_plan
 
 if TYPE_CHECKING:
     from plait.sidecar.parallelizer import ModelParallelizer
@@ -255,7 +255,7 @@ def _tp_decisions(
             f"{stage_of.tp_plan_source} (this stage's entries)",
         )
     else:
-        plan, source = resolve_tp_plan_with_source(
+        plan = resolve_tp_plan(
             model,
             plan=cfg.tp_plan,
             sequence_parallel=sp,
@@ -263,6 +263,7 @@ def _tp_decisions(
             model_plan=sidecar.tp_plan,
             finalize=sidecar._finalize_tp_plan,
         )
+        source = plan.source
         # The model's own default plan (Hugging Face's) may shard experts; under ep > 1 EP owns them.
         default = source in _MODEL_DEFAULT_SOURCES and not sidecar._finalizes_tp_plan()
         plan = validate_moe_tp_plan(model, plan, blocks, model_default=default)

@@ -67,7 +67,7 @@ from plait.testing.routing import MIN_MARGIN, Margins, record_routing_margins
 from plait.testing.sweep import case_row, merge_rows, run_cases
 
 _LAZY = {
-    "plait.testing.cp_cases": ("CP_SEQ", "CP_VOCAB", "cp_decoder", "cp_parity"),
+    "plait.testing.cp_cases": ("CP_SEQ", "CP_VOCAB", "cp_decoder", "cp_local_inputs", "cp_parity"),
     "plait.testing.hf_moe": (
         "HF_MOE_LAYOUTS",
         "HF_MOE_SEEDS",
@@ -126,6 +126,7 @@ __all__ = [
     "case_row",
     "clean_fqn",
     "cp_decoder",
+    "cp_local_inputs",
     "cp_parity",
     "expert_bytes",
     "fake_process_group",

@@ -8,6 +8,7 @@ whole global batch; each rank trains on its data-parallel rows, split along the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from plait.testing.driver import Inputs, paired, run_parity, token_batches
 from plait.testing.hf_models import tiny_hf_model
 from plait.testing.sweep import case_row
 
-__all__ = ["CP_SEQ", "CP_VOCAB", "cp_decoder", "cp_parity"]
+__all__ = ["CP_SEQ", "CP_VOCAB", "cp_decoder", "cp_local_inputs", "cp_parity"]
 
 CP_VOCAB = 96
 CP_SEQ = 16
@@ -36,6 +37,21 @@ def cp_decoder(kind: str) -> nn.Module:
     return tiny_hf_model(kind, attn_implementation="sdpa", vocab_size=CP_VOCAB, **tied)
 
 
+def cp_local_inputs(ctx: MeshContext, seen: list[int]) -> Callable[[Inputs], Inputs]:
+    """The driver's ``local_inputs`` under cp: this rank's chunks with their global positions.
+
+    Each call appends the local sequence length to ``seen`` (a test checks the sequence was split).
+    """
+
+    def local(batch: Inputs) -> Inputs:
+        kwargs, labels = batch
+        part = shard_sequence({**kwargs, "labels": labels}, ctx)
+        seen.append(int(part["input_ids"].shape[1]))
+        return {"input_ids": part["input_ids"], "position_ids": part["position_ids"]}, part["labels"]
+
+    return local
+
+
 def cp_parity(
     kind: str, sizes: dict[str, int], options: dict[str, Any], ac: str | bool = False
 ) -> dict[str, Any]:
@@ -43,24 +59,17 @@ def cp_parity(
 
     ``ok``: every difference within the driver's fp32 tolerances (and gradients compared).
     """
-    from plait.sidecar import compile_parallelized_model, parallelize_model  # not plait-cp dependencies
+    from plait.sidecar import parallelize_model  # not a plait-cp dependency
 
     ctx = MeshContext.build(
         FSDP2Config(mp_policy=None, **options), ParallelismSizes(**sizes), activation_checkpointing=ac
     )
 
     def parallelize(model: nn.Module) -> nn.Module:
-        model = parallelize_model(model, ctx)
-        compile_parallelized_model(model, ctx)  # a no-op unless options hold enable_compile=True
-        return model
+        return parallelize_model(model, ctx)  # compiles the layers when options hold enable_compile=True
 
     local_seq: list[int] = []
-
-    def local(batch: Inputs) -> Inputs:
-        kwargs, labels = batch
-        part = shard_sequence({**kwargs, "labels": labels}, ctx)
-        local_seq.append(int(part["input_ids"].shape[1]))
-        return {"input_ids": part["input_ids"], "position_ids": part["position_ids"]}, part["labels"]
+    local = cp_local_inputs(ctx, local_seq)
 
     dp = ctx.dp_mesh()
     parity = run_parity(

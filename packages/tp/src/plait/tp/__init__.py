@@ -23,7 +23,7 @@ from plait.tp.replicate import (
     ReplicateParallel,
     ShardedRegion,
 )
-from plait.tp.resolve import resolve_tp_plan, resolve_tp_plan_with_source
+from plait.tp.resolve import ResolvedTPPlan, resolve_tp_plan
 from plait.tp.sequence import (
     GatherSequenceInput,
     RotaryEmbeddingParallel,
@@ -35,6 +35,7 @@ from plait.tp.styles import REFUSED_STYLES, RowwiseLocalCopy, loss_parallel_head
 from plait.tp.validate import validate_tp_mesh
 
 __all__ = [
+    "ResolvedTPPlan",
     "AllReduceParallel",
     "REFUSED_STYLES",
     "ExpertsTensorParallel",
@@ -68,6 +69,5 @@ __all__ = [
     "register_model_tp_plan",
     "register_tp_plan",
     "resolve_tp_plan",
-    "resolve_tp_plan_with_source",
     "validate_tp_mesh",
 ]

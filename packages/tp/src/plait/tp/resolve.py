@@ -18,7 +18,7 @@ from plait.tp.llama import llama_tp_plan
 from plait.tp.registry import model_class_plan, named_plan, registered_plan_names
 from plait.tp.styles import parse_style
 
-__all__ = ["normalize_plan", "resolve_tp_plan", "resolve_tp_plan_with_source", "unmatched_message"]
+__all__ = ["ResolvedTPPlan", "normalize_plan", "resolve_tp_plan", "unmatched_message"]
 
 _FORMS = (
     "a dict {fqn_pattern: ParallelStyle | style string}, a registered plan name, "
@@ -26,6 +26,19 @@ _FORMS = (
 )
 _LENIENT_SOURCES = frozenset({"Hugging Face plan", "default Llama-style plan"})
 Finalize = Callable[[nn.Module, dict[str, ParallelStyle]], "dict[str, ParallelStyle] | None"]
+
+
+class ResolvedTPPlan(dict[str, ParallelStyle]):
+    """A resolved plan ``{fqn_pattern: ParallelStyle}`` that says where it came from.
+
+    ``source``: ``explicit tp_plan``, ``registered plan 'NAME'``, ``tp_plan 'pkg.mod:ATTR'``,
+    ``sidecar tp_plan``, ``plan registered for CLASS``, ``Hugging Face plan`` or ``default
+    Llama-style plan``.
+    """
+
+    def __init__(self, plan: Mapping[str, ParallelStyle], source: str) -> None:
+        super().__init__(plan)
+        self.source = source
 
 
 def normalize_plan(plan: Mapping[str, Any], source: str) -> dict[str, ParallelStyle]:
@@ -164,7 +177,7 @@ def resolve_tp_plan(
     tp_size: int,
     model_plan: Callable[[nn.Module, bool], Any] | Mapping[str, Any] | str | None = None,
     finalize: Finalize | None = None,
-) -> dict[str, ParallelStyle]:
+) -> ResolvedTPPlan:
     """Pick the TP plan for ``model``; first match wins.
 
     1. ``plan`` as a dict; 2. ``plan`` as a registered plan name; 3. ``plan`` as an import path
@@ -178,36 +191,11 @@ def resolve_tp_plan(
     the Hugging Face / default plans, where it is dropped with a warning.
 
     Returns:
-        ``{fqn_pattern: ParallelStyle}`` with fresh style objects.
+        ``{fqn_pattern: ParallelStyle}`` with fresh style objects, and its ``source``.
 
     Raises:
         ValueError / TypeError: an invalid plan form, unknown style, bad import path, unmatched pattern,
             or a remote-code model without a plan at ``tp_size > 1``.
-    """
-    return resolve_tp_plan_with_source(
-        model,
-        plan=plan,
-        sequence_parallel=sequence_parallel,
-        tp_size=tp_size,
-        model_plan=model_plan,
-        finalize=finalize,
-    )[0]
-
-
-def resolve_tp_plan_with_source(
-    model: nn.Module,
-    *,
-    plan: Mapping[str, Any] | str | None = None,
-    sequence_parallel: bool = False,
-    tp_size: int,
-    model_plan: Callable[[nn.Module, bool], Any] | Mapping[str, Any] | str | None = None,
-    finalize: Finalize | None = None,
-) -> tuple[dict[str, ParallelStyle], str]:
-    """:func:`resolve_tp_plan`, and where the plan came from.
-
-    The source is one of ``explicit tp_plan``, ``registered plan 'NAME'``, ``tp_plan 'pkg.mod:ATTR'``,
-    ``sidecar tp_plan``, ``plan registered for CLASS``, ``Hugging Face plan`` or ``default
-    Llama-style plan``.
     """
     source, raw = _pick(model, plan, sequence_parallel, tp_size, model_plan)
     styles = normalize_plan(raw, source)
@@ -215,4 +203,4 @@ def resolve_tp_plan_with_source(
     if finalize is not None:
         finalized = finalize(model, styles)
         styles = normalize_plan(styles if finalized is None else finalized, "finalized tp_plan")
-    return _check_patterns(model, styles, lenient, source), source
+    return ResolvedTPPlan(_check_patterns(model, styles, lenient, source), source)
