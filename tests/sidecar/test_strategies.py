@@ -1,4 +1,4 @@
-"""Strategy dispatch of `parallelize_model`: unsharded FSDP2, DDP, MoE, and the errors."""
+"""The one flow under each strategy config: unsharded FSDP2, DDP, MoE, and the errors."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from plait.mesh import DDPConfig, FSDP2Config, MegatronFSDPConfig, MeshContext, MoEConfig, ParallelismSizes
+from plait.mesh import DDPConfig, FSDP2Config, MeshContext, MoEConfig, ParallelismSizes
 from plait.models import DecoderConfig, DenseDecoder, MoEDecoder, MoEDecoderConfig
 from plait.sidecar import parallelize_model
 from plait.testing import run_on_ranks
@@ -64,22 +64,10 @@ def _ddp() -> Parity:
     return run_parity("ddp", _dense, ctx, VOCAB, inspect=_summary)
 
 
-def test_ddp_matches_reference() -> None:
+def test_ddp_with_full_checkpointing_checkpoints_every_submodule_and_matches_reference() -> None:
     results = run_on_ranks(_ddp, 2)
     assert_parity(results)
     assert all(r.extra["ddp"] and r.extra["checkpointed"] == 8 for r in results), results
-
-
-def _megatron_tp_only() -> Parity:
-    ctx = MeshContext.build(MegatronFSDPConfig(), ParallelismSizes(tp_size=2))
-    return run_parity("megatron/tp2", _dense, ctx, VOCAB, inspect=_summary)
-
-
-def test_megatron_fsdp_dispatch_applies_tp_and_matches_reference() -> None:
-    # dp = 1: Megatron-FSDP has nothing to shard, so this runs without the megatron-fsdp package.
-    results = run_on_ranks(_megatron_tp_only, 2)
-    assert_parity(results)
-    assert all(r.extra["dtensors"] > 0 and not r.extra["fsdp"] for r in results), results
 
 
 def _moe_model() -> nn.Module:

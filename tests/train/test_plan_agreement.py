@@ -30,6 +30,7 @@ SHIPPED = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml") if p.stem != "llama3
 REFUSED: list[tuple[str, list[str]]] = [
     ("hsdp", ["parallel.tp_size=4", "parallel.dp_replicate_size=1", "model.arch.num_key_value_heads=2"]),
     ("ddp", ["parallel.tp_size=2"]),
+    ("ddp", ["parallel.compile=true"]),
     ("moe_ep", ["parallel.tp_size=2", "parallel.sequence_parallel=true"]),
     ("moe_ep", ["parallel.pp_size=2", NO_EXPORT]),
     ("dense_fsdp2", ["parallel.cp_size=2", "parallel.pp_size=2", NO_EXPORT]),

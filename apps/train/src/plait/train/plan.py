@@ -277,6 +277,17 @@ def dry_run(recipe: Recipe, config: StrategyConfig, world_size: int) -> DryRun:
     return DryRun(ctx, model, [get_parallel_plan(model)])
 
 
+def _plan_texts(plans: list[ParallelPlan | None]) -> list[str]:
+    """One plan, or the whole model's and then each of rank 0's pipeline stages'."""
+    if len(plans) == 1:
+        return [plans[0].text()] if plans[0] is not None else []
+    titles = [
+        "parallel plan (whole model)",
+        *(f"parallel plan (local stage {i})" for i in range(len(plans) - 1)),
+    ]
+    return [p.text(t) for p, t in zip(plans, titles, strict=True) if p is not None]
+
+
 def validate(recipe: Recipe, world_size: int) -> str:
     """Run every check of a real run on ``world_size`` ranks without starting any; return the ok line.
 
@@ -304,7 +315,7 @@ def plan(recipe: Recipe, world_size: int) -> str:
             f"plan: recipe {recipe.name} on {world_size} ranks (fake process group, meta tensors)",
             describe_mesh(ctx, world_size),
             f"model {model_class_name(model)} ({recipe.model.source}, preset {recipe.model.preset})",
-            *(p.text() for p in run.plans[-1:] if p is not None),
+            *_plan_texts(run.plans),
             layout_of(model).text(),
             *([run.stages] if run.stages else []),
             _memory_text(model),

@@ -96,6 +96,7 @@ def check_recipe(recipe: Recipe, world_size: int, *, devices: bool = True) -> St
             ),
             activation_checkpointing=recipe.parallel.activation_checkpointing,
             features=model_features(build_model(recipe.model, "meta")),
+            compile=recipe.parallel.compile,
         )
     )
     if recipe.parallel.ep_size > 1 and recipe.model.source not in ("moe", "hf"):

@@ -162,8 +162,13 @@ def combination_request(
     *,
     activation_checkpointing: str | bool = False,
     features: Iterable[str] = (),
+    compile: bool | None = None,
 ) -> CombinationRequest:
-    """Reduce a strategy, resolved sizes, the AC mode and model features to a request."""
+    """Reduce a strategy, resolved sizes, the AC mode and model features to a request.
+
+    ``compile``: per-layer compile asked for outside the config (a recipe's ``parallel.compile``);
+    None = the config's ``enable_compile`` (only ``FSDP2Config`` has one).
+    """
     strategy = strategy_name(strategy_config)
     values = {strategy: _STRATEGY_NAMES[strategy]}
     for axis in ("dp_replicate", "cp", "tp", "ep", "pp"):
@@ -178,7 +183,9 @@ def combination_request(
         values["sp"] = "sequence_parallel=True"
     if getattr(strategy_config, "enable_async_tensor_parallel", False) and (sizes.tp_size or 1) > 1:
         values["async_tp"] = "enable_async_tensor_parallel=True"
-    if isinstance(strategy_config, FSDP2Config) and strategy_config.enable_compile:
+    if compile is None:
+        compile = isinstance(strategy_config, FSDP2Config) and strategy_config.enable_compile
+    if compile:
         values["compile"] = "enable_compile=True"
     if activation_checkpointing:
         mode = "full" if activation_checkpointing is True else str(activation_checkpointing)

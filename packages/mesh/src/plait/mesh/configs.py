@@ -107,7 +107,7 @@ class FSDP2Config(_Config):
     enable_async_tensor_parallel: bool = False
     """Overlap TP communication with compute (needs sequence_parallel and CUDA)."""
     enable_compile: bool = False
-    """Compile each transformer layer in ``compile_parallelized_model``."""
+    """Compile each transformer layer in place, the last step of ``parallelize_model``."""
     enable_fsdp2_prefetch: bool = True
     """Explicitly prefetch neighbouring FSDP units in forward and backward."""
     fsdp2_forward_prefetch_depth: int = 1

@@ -139,9 +139,9 @@ class ParallelPlan:
             "compile": self.compile,
         }
 
-    def text(self) -> str:
-        """The plan as indented lines (``plait-train plan``)."""
-        lines = ["parallel plan:"]
+    def text(self, title: str = "parallel plan") -> str:
+        """The plan as indented lines under ``title`` (``plait-train plan``)."""
+        lines = [f"{title}:"]
         for key, value in self.describe().items():
             if isinstance(value, dict) and value:
                 lines.append(f"  {key}:")
@@ -319,6 +319,8 @@ def _fsdp_decisions(model: nn.Module, mesh_context: MeshContext, plan: ParallelP
         "ignored_params": frozenset(ignored),
         "compile": compile_requested(mesh_context),
     }
+    if mesh_context.pp_size > 1:  # the whole model under PP: each stage's plan has its units
+        return decisions
     if mesh_context.fsdp_mesh().size() == 1 and mesh_context.tp_size == 1:
         return decisions
     stage = plan.pipeline_stage

@@ -36,7 +36,7 @@ def _device(device_mesh: DeviceMesh) -> torch.device:
 def _device_mesh(mesh_context: MeshContext) -> tuple[MegatronFSDPConfig, DeviceMesh]:
     config = mesh_context.strategy_config
     if not isinstance(config, MegatronFSDPConfig):
-        raise TypeError(f"parallelize_megatron_fsdp needs a MegatronFSDPConfig, got {type(config).__name__}")
+        raise TypeError(f"Megatron-FSDP needs a MegatronFSDPConfig, got {type(config).__name__}")
     if mesh_context.device_mesh is None:
         raise ValueError(
             "Megatron-FSDP needs mesh_context.device_mesh, got None; build the context with "

@@ -13,7 +13,8 @@ __all__ = ["enable_async_tp"]
 def enable_async_tp(tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
     """Turn on async TP for ``tp_mesh``: CUDA symmetric memory for its group + inductor micro-pipelining.
 
-    Takes effect in ``torch.compile``-d regions (the sidecar's ``compile_parallelized_model``).
+    Takes effect in ``torch.compile``-d regions: ``parallelize_model`` compiles the layers as its last
+    step whenever async TP is on at tp > 1.
 
     Raises:
         ValueError: ``sequence_parallel`` is off (async TP fuses the SP all-gather / reduce-scatter into
