@@ -16,6 +16,7 @@ from plait.testing import Inputs, Parity, assert_parity, global_batch, local_sli
 from plait.testing import run_parity as _drive
 
 __all__ = [
+    "BATCH_STEPS",
     "Parity",
     "assert_parity",
     "dp_coordinates",
@@ -23,7 +24,7 @@ __all__ = [
     "run_parity",
 ]
 
-STEPS = (0, 1, 3, 4, 5)
+BATCH_STEPS = (0, 1, 3, 4, 5)
 """The global batches the driver's five steps use (the MoE tests' router margins are checked on these)."""
 
 
@@ -56,7 +57,9 @@ def run_parity(
     reference only; ``inspect(parallel_model)`` lands in ``Parity.extra``.
     """
     dp_rank, dp_size = dp_coordinates(ctx)
-    batches = [_micro_batches(global_batch(vocab, dp_size, step, extra_inputs), dp_size) for step in STEPS]
+    batches = [
+        _micro_batches(global_batch(vocab, dp_size, step, extra_inputs), dp_size) for step in BATCH_STEPS
+    ]
     return _drive(
         paired(build, lambda model: parallelize(model, ctx)),
         batches,

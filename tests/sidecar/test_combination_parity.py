@@ -24,7 +24,6 @@ from plait.models import DecoderConfig, DenseDecoder, MoEDecoder, MoEDecoderConf
 from plait.sidecar import parallelize_model
 from plait.testing import (
     GLOBAL_BATCH_SEQ,
-    STEPS,
     Inputs,
     Margins,
     Parity,
@@ -36,11 +35,12 @@ from plait.testing import (
     run_on_ranks,
     run_parity,
 )
+from tests.sidecar._parity import BATCH_STEPS
 
 VOCAB = 64
 MOE = MoEDecoderConfig(vocab_size=VOCAB, num_experts=8, zero_token_experts=(1, 2, 6))
 MOE_SEED = 17
-"""tests/sidecar/test_moe.py's model and seed: a >= 1.3e-3 relative top-k margin on the ``STEPS`` batches."""
+"""tests/sidecar/test_moe.py's model and seed: a >= 1.3e-3 relative top-k margin on the ``BATCH_STEPS`` batches."""
 
 
 @dataclass(frozen=True)
@@ -108,12 +108,12 @@ def _build(kind: str) -> nn.Module:
 
 
 def _batches(dp_size: int) -> list[list[Inputs]]:
-    """The driver's global batches: the sidecar tests' ``STEPS``, one micro-batch per dp rank.
+    """The driver's global batches: the sidecar tests' ``BATCH_STEPS``, one micro-batch per dp rank.
 
     8 tokens a sequence: a multiple of ``2 * cp`` (context parallel cuts it into ``2 * cp`` chunks).
     """
     out = []
-    for step in STEPS:
+    for step in BATCH_STEPS:
         batch = global_batch(VOCAB, dp_size, step)
         rows = [local_slice(batch, r) for r in range(dp_size)]
         out.append([({"input_ids": r["input_ids"]}, r["labels"]) for r in rows])

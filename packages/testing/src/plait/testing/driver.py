@@ -93,8 +93,13 @@ class Tolerances:
     adamw_loss: float
 
 
-FP32 = Tolerances(loss=1e-5, grad=1e-5, param=1e-5, adamw_loss=1e-5)
-"""Both sides in fp32: only summation order differs (fp32 epsilon 1.2e-7, a few hundred terms deep)."""
+FP32 = Tolerances(loss=1e-5, grad=1e-5, param=1e-5, adamw_loss=1e-4)
+"""Both sides in fp32: only summation order differs (fp32 epsilon 1.2e-7, a few hundred terms deep).
+
+The AdamW losses' least bound, 1e-4, is 2e-5 of the test models' loss (ln(vocab) ~ 4-5), far below
+what a defect gives (1e-2 and more, and a defect shows at step 0 already); two fp32 runs whose
+summation orders differ measured up to 1.1e-5 apart where the float64 floor was 8.8e-7 (Qwen3, FSDP
+x TP x SP), so the floor alone can undershoot one run's amplification by more than the factor."""
 
 BF16 = Tolerances(loss=5e-3, grad=5e-2, param=2e-2, adamw_loss=1e-2)
 """Parallel side in the library default (FSDP2: bf16 parameters for compute, fp32 master weights and
