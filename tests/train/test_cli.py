@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from plait.testing import run_on_ranks
 from plait.train.cli import main
+from tests.train._ranks import run_killing_a_rank
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = [
@@ -27,8 +28,10 @@ SMALL = [
     "data.max_bytes=100000",
     "train.val_batches=1",
 ]
-# Two ranks, FSDP2 sharding parameters and optimizer state; a checkpoint at step 3 of 6.
-RESUMABLE = [*SMALL, "parallel.tp_size=1", "train.steps=6", "train.val_every=0", "checkpoint.every=3"]
+# Two ranks, FSDP2 sharding parameters and optimizer state; a checkpoint every 4 steps of 20.
+STEPS, EVERY = 20, 4
+RESUMABLE = [*SMALL, "parallel.tp_size=1", "train.val_every=0", f"train.steps={STEPS}"]
+RESUMABLE += [f"checkpoint.every={EVERY}"]
 
 
 def _sets(overrides: list[str]) -> list[str]:
@@ -44,11 +47,6 @@ def _run(args: list[str], *, timeout: float = 400, **env: str) -> subprocess.Com
     return subprocess.run(
         [sys.executable, *args], cwd=REPO, env=_env(**env), capture_output=True, text=True, timeout=timeout
     )
-
-
-def _torchrun(nproc: int, overrides: list[str], *extra: str, **env: str) -> subprocess.CompletedProcess[str]:
-    args = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *extra]
-    return _run([*args, "-m", "plait.train", *_sets(overrides)], **env)
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -100,7 +98,7 @@ def _uninterrupted(run_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted 6-step run on 2 ranks with checkpoints at steps 3 and 6.
+    """An uninterrupted run of :data:`RESUMABLE` on 2 ranks (its last two checkpoints kept).
 
     On the harness's ranks (a launch of its own would add ~15 s of start-up): the same trainer on
     2 gloo ranks, so the CLI's resumed run must match it bit for bit.
@@ -125,23 +123,32 @@ def test_a_killed_rank_restarts_from_the_last_complete_checkpoint_and_matches_th
 ):
     run_dir = tmp_path / "fault"
     ckpts = run_dir / "checkpoints"
-    half = (
-        ckpts / "step_00000005"
-    )  # shards written, manifest.json never written: skipped at start and restart
-    shutil.copytree(baseline / "checkpoints" / "step_00000006", half)
+    # shards written, manifest.json never written: skipped at start and restart
+    half = ckpts / f"step_{STEPS - 1:08d}"
+    shutil.copytree(baseline / "checkpoints" / f"step_{STEPS:08d}", half)
     (half / "manifest.json").unlink()
-    (ckpts / ".tmp-step_00000006").mkdir()
-    proc = _torchrun(2, [*RESUMABLE, f"out_dir={run_dir}"], "--max-restarts=1", PLAIT_TRAIN_FAIL_AT_STEP="5")
+    (ckpts / f".tmp-step_{STEPS:08d}").mkdir()
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1"]
+    args = [sys.executable, *torchrun, "-m", "plait.train", *_sets([*RESUMABLE, f"out_dir={run_dir}"])]
+    # SIGKILL to rank 1 from outside once step EVERY + 1 is logged: after the first complete checkpoint.
+    proc = run_killing_a_rank(args, cwd=REPO, env=_env(), run_dir=run_dir, step=EVERY + 1)
     _ok(proc)
-    assert "[resume] step=3" in proc.stdout and proc.stdout.count("[resume]") == 1
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     kinds = [r["kind"] for r in records]
+    assert kinds.count("run_start") == 2 and kinds.count("resume") == 1, kinds
     after = kinds.index("resume")
-    assert [r["step"] for r in records[:after] if r["kind"] == "train"][:3] == [1, 2, 3]  # then killed at 5
-    assert [r["step"] for r in records[after:] if r["kind"] == "train"] == [4, 5, 6]
+    resumed_at = records[after]["step"]
+    assert f"[resume] step={resumed_at}" in proc.stdout and proc.stdout.count("[resume]") == 1
+    first = [r["step"] for r in records[:after] if r["kind"] == "train"]
+    assert first == list(range(1, len(first) + 1)) and EVERY < len(first) < STEPS, first  # then killed
+    saved = [r["step"] for r in records[:after] if r["kind"] == "checkpoint"]
+    # the newest complete checkpoint (the kill may fall between its rename and its line in the log)
+    assert resumed_at in (saved[-1], saved[-1] + EVERY) and resumed_at <= first[-1], (saved, resumed_at)
+    rest = list(range(resumed_at + 1, STEPS + 1))
+    assert [r["step"] for r in records[after:] if r["kind"] == "train"] == rest
     base = _losses(baseline)
     resumed = {r["step"]: r["loss"] for r in records[after:] if r["kind"] == "train"}
-    assert resumed == {s: base[s] for s in (4, 5, 6)}
+    assert resumed == {s: base[s] for s in rest}
     _same_weights(baseline, run_dir)
 
 

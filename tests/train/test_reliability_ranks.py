@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -11,6 +10,7 @@ import time
 from pathlib import Path
 
 from plait.train.checkpoint import verify_checkpoint
+from tests.train._ranks import alive, children, cmdline, descendants, train_steps
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = [
@@ -43,42 +43,12 @@ def _start(overrides: list[str], cwd: Path = REPO) -> subprocess.Popen[str]:
     )
 
 
-def _train_steps(run_dir: Path) -> list[int]:
-    metrics = run_dir / "metrics.jsonl"
-    lines = metrics.read_text().splitlines() if metrics.is_file() else []
-    return [r["step"] for r in map(json.loads, lines) if r["kind"] == "train"]
-
-
 def _wait_for_step(run_dir: Path, proc: subprocess.Popen[str], step: int, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
-    while len(_train_steps(run_dir)) < step:
+    while len(train_steps(run_dir)) < step:
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "the job did not start training"
         time.sleep(0.2)
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
-def _descendants(pid: int) -> list[int]:
-    return [d for child in _children(pid) for d in (child, *_descendants(child))]
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
 
 
 def test_an_error_on_one_rank_is_its_line_on_every_rank_and_never_restarted(tmp_path: Path) -> None:
@@ -113,7 +83,7 @@ def test_sigterm_saves_a_complete_checkpoint_at_the_current_step(tmp_path: Path)
     finally:
         proc.kill()
     assert proc.returncode == 128 + 15, err[-3000:]
-    last = _train_steps(run_dir)[-1]
+    last = train_steps(run_dir)[-1]
     lines = [line for line in err.splitlines() if line.startswith("plait-train: stopped by SIGTERM at step")]
     assert lines == [lines[0]] * 2 and f"at step {last} of 100000; checkpoint" in lines[0], err[-3000:]
     ckpts = sorted((run_dir / "checkpoints").iterdir())
@@ -129,20 +99,20 @@ def test_a_killed_launcher_leaves_no_rank_alive(tmp_path: Path) -> None:
     ranks: list[int] = []
     try:
         _wait_for_step(run_dir, proc, 1)
-        ranks = _descendants(proc.pid)
-        servers = [pid for pid in _children(proc.pid) if b"multiprocessing.forkserver" in _cmdline(pid)]
-        assert len(servers) == 1 and len(_children(servers[0])) == 2, "2 ranks forked from one server"
+        ranks = descendants(proc.pid)
+        servers = [pid for pid in children(proc.pid) if b"multiprocessing.forkserver" in cmdline(pid)]
+        assert len(servers) == 1 and len(children(servers[0])) == 2, "2 ranks forked from one server"
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + 10
-        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not any(_alive(pid) for pid in ranks), (
+        assert not any(alive(pid) for pid in ranks), (
             "a rank or the launcher's rank server outlived it by 10 s"
         )
     finally:
         proc.kill()
-        for pid in filter(_alive, ranks):
+        for pid in filter(alive, ranks):
             os.kill(pid, signal.SIGKILL)
 
 

@@ -16,39 +16,23 @@ import os
 import signal
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from plait.train.errors import EXIT_STOPPED, EXIT_USER, stderr_line
+from plait.train.rank_server import RUN_ID_PREFIX, rank_main, start_rank_server
 
 __all__ = [
     "ATTEMPT_ENV",
-    "LAUNCHER_PID_ENV",
     "check_nproc",
     "defer_sigterm",
     "launch_local",
     "max_local_ranks",
-    "rank_parent",
     "under_launcher",
 ]
 
-LAUNCHER_PID_ENV = "PLAIT_LAUNCHER_PID"
-"""Set by the local launcher for its ranks: the process whose death must end them."""
-_RUN_ID_PREFIX = "plait-train-"
 ATTEMPT_ENV = "PLAIT_TRAIN_ATTEMPT"
 """Set by the local launcher: 0 for the first attempt, then 1, 2, ... per restart."""
 _RANKS_PER_CORE = 4
-
-
-def rank_parent() -> int:
-    """The pid whose death must end this rank: :data:`LAUNCHER_PID_ENV` in a job of the local launcher.
-
-    In any other job (``torchrun``, another tool's launcher) it is the parent process; a
-    ``PLAIT_LAUNCHER_PID`` inherited from elsewhere is ignored there.
-    """
-    ours = os.environ.get("TORCHELASTIC_RUN_ID", "").startswith(_RUN_ID_PREFIX)
-    if ours and LAUNCHER_PID_ENV in os.environ:
-        return int(os.environ[LAUNCHER_PID_ENV])
-    return os.getppid()
 
 
 def under_launcher() -> bool:
@@ -105,18 +89,20 @@ def check_nproc(nproc_per_node: int, device: str, *, oversubscribe: bool) -> Non
         )
 
 
-def launch_local(argv: list[str], *, nproc_per_node: int, max_restarts: int = 0) -> int:
-    """Run the command line ``argv`` on ``nproc_per_node`` local ranks; return an exit code.
+def launch_local(
+    main: Callable[[list[str]], int], argv: list[str], *, nproc_per_node: int, max_restarts: int = 0
+) -> int:
+    """Run ``main(argv)``, the command line, on ``nproc_per_node`` local ranks; return an exit code.
 
+    ``main`` is the entry point each rank runs (the caller's own, passed down rather than imported).
     A failed attempt is restarted (up to ``max_restarts`` times, each resuming from the last
     checkpoint) unless a rank exited with a user error (exit 2): the same recipe would fail the
     same way again. SIGTERM/SIGINT to the launcher stops the ranks (they save a checkpoint where they
-    can in time) and returns 143; the ranks die with the launcher (see :func:`die_with_launcher`).
+    can in time) and returns 143; the ranks die with the launcher (see
+    :func:`plait.train.lifecycle.die_with_launcher`).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from plait.train.rank_server import start_rank_server
 
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc_per_node))
     start_rank_server()
@@ -124,7 +110,8 @@ def launch_local(argv: list[str], *, nproc_per_node: int, max_restarts: int = 0)
     attempt = 0
     while True:
         try:
-            _launch_once(argv, nproc_per_node, {ATTEMPT_ENV: str(attempt), "OMP_NUM_THREADS": threads})
+            env = {ATTEMPT_ENV: str(attempt), "OMP_NUM_THREADS": threads}
+            _launch_once(main, argv, nproc_per_node, env)
         except SignalException as err:
             stderr_line(f"plait-train: stopped by {signal.Signals(err.sigval).name}")
             return EXIT_STOPPED
@@ -146,23 +133,23 @@ def launch_local(argv: list[str], *, nproc_per_node: int, max_restarts: int = 0)
         return 0
 
 
-def _launch_once(argv: list[str], nproc_per_node: int, env: dict[str, str]) -> None:
+def _launch_once(
+    main: Callable[[list[str]], int], argv: list[str], nproc_per_node: int, env: dict[str, str]
+) -> None:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from plait.train.rank_server import rank_main
 
     config = LaunchConfig(
         start_method="forkserver",
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc_per_node,
-        run_id=f"{_RUN_ID_PREFIX}{uuid.uuid4().hex[:8]}",
+        run_id=f"{RUN_ID_PREFIX}{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
         max_restarts=0,
         monitor_interval=0.2,
     )
-    elastic_launch(config, rank_main)(argv, env)
+    elastic_launch(config, rank_main)(main, argv, env)
 
 
 def _quiet_elastic_logs() -> None:

@@ -36,9 +36,9 @@ from plait.train.errors import (
     stderr_line,
     user_message,
 )
-from plait.train.launch import rank_parent
+from plait.train.rank_server import LAUNCHER_PID_ENV, RUN_ID_PREFIX
 
-__all__ = ["STOP_TIMEOUT_ENV", "RankLifecycle", "die_with_launcher"]
+__all__ = ["STOP_TIMEOUT_ENV", "RankLifecycle", "die_with_launcher", "rank_parent"]
 
 STOP_TIMEOUT_ENV = "PLAIT_TRAIN_STOP_TIMEOUT_S"
 _STOP_TIMEOUT_S = 25.0
@@ -48,10 +48,22 @@ _FAILED_KEY = "failed"
 _STOP_KEY = "stop_step"
 
 
+def rank_parent() -> int:
+    """The pid whose death must end this rank: :data:`LAUNCHER_PID_ENV` in a job of the local launcher.
+
+    In any other job (``torchrun``, another tool's launcher) it is the parent process; a
+    ``PLAIT_LAUNCHER_PID`` inherited from elsewhere is ignored there.
+    """
+    ours = os.environ.get("TORCHELASTIC_RUN_ID", "").startswith(RUN_ID_PREFIX)
+    if ours and LAUNCHER_PID_ENV in os.environ:
+        return int(os.environ[LAUNCHER_PID_ENV])
+    return os.getppid()
+
+
 def die_with_launcher(parent: int | None = None) -> None:
     """Make this process receive SIGKILL when ``parent`` dies; exit at once if it already has.
 
-    ``parent`` defaults to :func:`plait.train.launch.rank_parent`.
+    ``parent`` defaults to :func:`rank_parent`.
     """
     expected = rank_parent() if parent is None else parent
     with contextlib.suppress(OSError, AttributeError):

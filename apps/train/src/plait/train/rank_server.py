@@ -10,6 +10,9 @@ server touches a device, so each rank still initialises CUDA (or not) on its own
 Lifetime: the server dies with the launcher and the ranks, its children, with the server (each
 asks the kernel for SIGKILL when its parent dies, ``PR_SET_PDEATHSIG``; see
 :mod:`plait.train.server_lifetime` and :func:`plait.train.lifecycle.die_with_launcher`).
+
+This module imports nothing heavy (the launcher imports it before it starts the server) and no
+other module of the app: the rank's entry point is passed in (:func:`rank_main`).
 """
 
 from __future__ import annotations
@@ -18,11 +21,14 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import sys
+from collections.abc import Callable
 
-from plait.train.launch import LAUNCHER_PID_ENV
+__all__ = ["LAUNCHER_PID_ENV", "PRELOADED", "RUN_ID_PREFIX", "rank_main", "start_rank_server"]
 
-__all__ = ["PRELOADED", "rank_main", "start_rank_server"]
-
+LAUNCHER_PID_ENV = "PLAIT_LAUNCHER_PID"
+"""Set by the local launcher for its ranks: the process whose death must end them."""
+RUN_ID_PREFIX = "plait-train-"
+"""The start of the elastic run id of every job of the local launcher (its ranks are forked here)."""
 PRELOADED = (
     "plait.train.server_lifetime",
     "plait.train.trainer",
@@ -43,9 +49,10 @@ def start_rank_server() -> None:
     multiprocessing.forkserver.ensure_running()
 
 
-def rank_main(argv: list[str], env: dict[str, str]) -> None:
-    """One forked rank: what ``python -m plait.train <argv>`` does on a rank, with ``env`` set.
+def rank_main(main: Callable[[list[str]], int], argv: list[str], env: dict[str, str]) -> None:
+    """One forked rank: ``main(argv)`` (what ``python -m plait.train <argv>`` runs), with ``env`` set.
 
+    ``main`` is the command line's entry point, passed down by the launcher (pickled by reference).
     ``env`` holds what the launcher decided after the server started (the attempt number, the
     threads per rank); the rest of the environment is the server's, the launcher's at its start.
 
@@ -65,8 +72,6 @@ def rank_main(argv: list[str], env: dict[str, str]) -> None:
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=True)
-    from plait.train.cli import main
-
     code = main(argv)
     if code:
         sys.exit(code)

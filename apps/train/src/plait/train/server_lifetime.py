@@ -9,7 +9,7 @@ imports it.
 
 import os
 
-from plait.train.launch import LAUNCHER_PID_ENV
 from plait.train.lifecycle import die_with_launcher
+from plait.train.rank_server import LAUNCHER_PID_ENV
 
 die_with_launcher(int(os.environ[LAUNCHER_PID_ENV]))

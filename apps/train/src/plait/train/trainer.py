@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -46,7 +45,6 @@ from plait.train.data import (
 from plait.train.errors import Stopped
 from plait.train.export import export_model
 from plait.train.integrity import check_finite
-from plait.train.launch import ATTEMPT_ENV
 from plait.train.lifecycle import RankLifecycle
 from plait.train.loss import IGNORE_INDEX, loss_context, token_loss_sum
 from plait.train.metrics import MetricsLogger, flops_per_token, memory_mib, peak_tflops, throughput
@@ -58,10 +56,7 @@ from plait.train.setup import build_mesh_context, build_parallel_model, check_re
 from plait.train.summary import compile_text, describe_mesh, layout_of, model_class_name
 from plait.train.tokenizer import load_tokenizer
 
-__all__ = ["FAIL_AT_STEP_ENV", "SetupError", "Trainer", "run"]
-
-FAIL_AT_STEP_ENV = "PLAIT_TRAIN_FAIL_AT_STEP"
-"""Test hook: the last rank kills itself at this step on the first elastic attempt."""
+__all__ = ["SetupError", "Trainer", "run"]
 
 
 def _scalar(t: torch.Tensor) -> float:
@@ -281,19 +276,6 @@ class Trainer:
             ]
         )
 
-    def _maybe_fail(self) -> None:
-        fail_at = os.environ.get(FAIL_AT_STEP_ENV)
-        first_attempt = (
-            os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get(ATTEMPT_ENV, "0") == "0"
-        )
-        if (
-            fail_at
-            and first_attempt
-            and int(fail_at) == self.step
-            and self.info.rank == self.info.world_size - 1
-        ):
-            os.kill(os.getpid(), signal.SIGKILL)
-
     def fit(self, stop: Callable[[int], bool] | None = None) -> None:
         """Resume if asked, train to ``train.steps``, validate, checkpoint, export.
 
@@ -316,7 +298,6 @@ class Trainer:
         self.resume()
         while self.step < cfg.steps:
             self.step += 1
-            self._maybe_fail()
             self.logger.step(self.step, **self.train_step())
             if (cfg.val_every and self.step % cfg.val_every == 0) or self.step == cfg.steps:
                 self.logger.validation(self.step, self.validate())
