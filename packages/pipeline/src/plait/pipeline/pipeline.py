@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -22,6 +24,7 @@ from plait.pipeline.split import (
     check_untied_across_stages,
     find_decoder_parts,
     plan_stages,
+    stage_tp_entries,
 )
 from plait.pipeline.stage_context import check_context, stage_context
 from plait.sidecar import ParallelPlan, get_model_parallelizer, parallelize_model, plan_parallelism
@@ -270,7 +273,8 @@ def _parallelize_stages(
     try:
         ctx = stage_context(mesh_context)
         for stage in built:
-            plan = plan_parallelism(stage, ctx, get_model_parallelizer(stage), stage_of=whole)
+            cut = dataclasses.replace(whole, tp_plan=MappingProxyType(stage_tp_entries(whole.tp_plan, stage)))
+            plan = plan_parallelism(stage, ctx, get_model_parallelizer(stage), stage_of=cut)
             modules.append(parallelize_model(stage, ctx, plan=plan))
     except Exception as exc:
         error = exc

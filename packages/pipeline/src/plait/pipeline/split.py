@@ -11,7 +11,10 @@ the embedding, norm and head it does not own; the model's own ``forward`` then r
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,6 +22,7 @@ from torch import nn
 from plait.sharding import discover_layer_groups, tied_parameter_groups
 
 __all__ = [
+    "stage_tp_entries",
     "DecoderParts",
     "PrunedModule",
     "StageSpec",
@@ -280,3 +284,9 @@ class StageUnion(nn.Module):
 
     def forward(self, *args: object, **kwargs: object) -> None:
         raise TypeError("StageUnion holds the local stages' state only; run the pipeline with Pipeline.step")
+
+
+def stage_tp_entries(plan: Mapping[str, Any], stage: nn.Module) -> dict[str, Any]:
+    """The entries of the whole model's TP plan that match a module this stage really holds."""
+    held = [fqn for fqn, m in stage.named_modules() if fqn and not isinstance(m, PrunedModule)]
+    return {pattern: style for pattern, style in plan.items() if any(fnmatchcase(f, pattern) for f in held)}

@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -182,8 +181,9 @@ def plan_parallelism(
         model: The plain model (or one pipeline stage of it).
         mesh_context: The meshes and configs.
         sidecar: The model's sidecar; default `get_model_parallelizer(model)`.
-        stage_of: The whole model's plan when ``model`` is one pipeline stage: its TP plan is filtered
-            to the modules the stage holds instead of being resolved again.
+        stage_of: When ``model`` is one pipeline stage, the whole model's plan with its TP plan
+            already cut to the modules the stage holds (the pipeline knows which); it is used as
+            is, never resolved again.
 
     Raises:
         ValueError / TypeError: every refusal of the flow, naming the setting and the fix.
@@ -251,7 +251,7 @@ def _tp_decisions(
     sp = bool(getattr(cfg, "sequence_parallel", False))
     if stage_of is not None:
         plan, source = (
-            _stage_entries(stage_of.tp_plan, model),
+            dict(stage_of.tp_plan),
             f"{stage_of.tp_plan_source} (this stage's entries)",
         )
     else:
@@ -273,12 +273,6 @@ def _tp_decisions(
         "sequence_parallel": sp,
         "async_tp": bool(getattr(cfg, "enable_async_tensor_parallel", False)),
     }
-
-
-def _stage_entries(plan: Mapping[str, ParallelStyle], stage: nn.Module) -> dict[str, ParallelStyle]:
-    """The entries of the whole model's plan that match a module this stage really holds."""
-    held = [fqn for fqn, m in stage.named_modules() if fqn and type(m).__name__ != "PrunedModule"]
-    return {pattern: style for pattern, style in plan.items() if any(fnmatchcase(f, pattern) for f in held)}
 
 
 def _cp_decisions(model: nn.Module, mesh_context: MeshContext) -> dict[str, Any]:
