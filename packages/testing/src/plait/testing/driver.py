@@ -65,7 +65,7 @@ STEPS = 5
 """The driver's learning rates (2 SGD steps, then AdamW) and its number of global batches."""
 
 
-ADAMW_FLOOR_FACTOR = 2.0
+ADAMW_FLOOR_FACTOR = 10.0
 """AdamW losses may differ by this many times the floor measured in the same run.
 
 AdamW divides each update by the root of the squared gradient's running mean, so a near-zero
