@@ -24,8 +24,9 @@ from tests.sidecar._parity import Parity, assert_parity, logits_of, run_parity
 
 VOCAB = 64
 SKEWED = MoEDecoderConfig(vocab_size=VOCAB, num_experts=8, zero_token_experts=(1, 2, 6))
-SKEWED_SEED = 17
-"""Init seed whose routing keeps a >= 1.3e-3 relative top-k margin over all 6 steps (tools/moe_margin_scan.py)."""
+SKEWED_SEED = 50
+"""Init seed whose reference routing keeps a >= 1.5e-3 relative top-k margin over all 6 steps
+(tools/moe_margin_scan.py); seed 17 (1.3e-3) fell under 1e-3 on parallel ranks on some CPUs."""
 # Top-1 with renormalised weights gives the router a constant weight of 1, so its gradient is pure
 # rounding noise that AdamW amplifies into different routing: keep the softmax weight (no renorm).
 ONE_LOCAL = MoEDecoderConfig(vocab_size=VOCAB, num_experts=2, num_experts_per_tok=1, norm_topk_prob=False)
