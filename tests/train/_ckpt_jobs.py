@@ -45,11 +45,13 @@ def train(run_dir: str, overrides: list[str], nan_at: int = 0, kill_in_save: int
     import io
     import os
     import signal
+    import sys
 
     import torch.distributed as dist
 
     import plait.train.checkpoint as checkpoint_module
     from plait.train.checkpoint import CheckpointError
+    from plait.train.errors import UserError
     from plait.train.integrity import NonFiniteError
     from plait.train.recipes import load_recipe
 
@@ -68,7 +70,7 @@ def train(run_dir: str, overrides: list[str], nan_at: int = 0, kill_in_save: int
     try:
         with contextlib.redirect_stderr(stderr):
             _fit(recipe, seen, nan_at)
-    except (CheckpointError, NonFiniteError, ValueError) as err:
+    except (CheckpointError, NonFiniteError, UserError, ValueError) as err:
         error = str(err)
     finally:
         checkpoint_module.write_manifest = write_manifest
@@ -81,6 +83,7 @@ def train(run_dir: str, overrides: list[str], nan_at: int = 0, kill_in_save: int
         "samples": {s: sorted(v) for s, v in samples.items()},
         "error": error,
         "stderr": stderr.getvalue(),
+        "modules": sorted(sys.modules),
     }
 
 

@@ -12,7 +12,8 @@ removed and a one-line :class:`CheckpointError` is raised; the previous checkpoi
 
 Resume: the newest directory whose files all match their manifest (verified by all ranks in
 parallel, before DCP reads its pickled ``.metadata``); a bad one is skipped with one warning line
-naming the file. DCP reshards on load, so the mesh and world size may differ from the save.
+naming the file. DCP's pickles are read by :mod:`plait.train.safe_reader`, which refuses anything
+but DCP's own metadata types and plain data. DCP reshards on load, so the mesh and world size may differ from the save.
 The checkpoint directory must be on a filesystem all ranks share.
 """
 
@@ -51,6 +52,7 @@ from plait.train.integrity import (
     write_manifest,
 )
 from plait.train.rng_state import load_rng, rng_file_name, save_rng
+from plait.train.safe_reader import SafeLoadPlanner, SafeReader, read_metadata
 
 __all__ = [
     "CheckpointError",
@@ -379,7 +381,9 @@ class Checkpointer:
                 f"checkpoint {str(path)!r} is at step {step} and train.steps is {steps}: nothing left to train; "
                 f"raise train.steps above {step} to continue"
             )
-        dcp.load(states, checkpoint_id=str(path))
+        # On every rank, before DCP's collectives: a crafted file is refused here in one line.
+        read_metadata(path)
+        dcp.load(states, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
         set_model_state_dict(model, states["model"])
         set_optimizer_state_dict(model, optimizer, states["optim"], options=_OPTIM_OPTIONS)
         same_layout = meta.get("layout") == self.layout
