@@ -30,6 +30,33 @@ def test_max_bytes_caps_the_corpus_and_documents_keep_their_order():
     assert docs[0] == stdlib_files()[0].read_bytes()[: len(docs[0])]
 
 
+def test_a_users_6_mb_corpus_is_read_whole_by_default(tmp_path: Path):
+    lines = [f"line {i}: the user's own text, every byte of it\n" for i in range(130_000)]
+    for part in range(3):
+        (tmp_path / f"part{part}.txt").write_text("".join(lines[part::3]))
+    size = sum(f.stat().st_size for f in tmp_path.iterdir())
+    assert size > 6_000_000
+    corpus = load_corpus(DataConfig(source="files", paths=[str(tmp_path / "*.txt")]))
+    assert corpus.num_bytes == size and corpus.num_documents == 3
+    assert len(corpus.train.tokens) + len(corpus.val.tokens) == size + 3  # every byte, and an EOS each
+    assert corpus.describe() == f"3 documents, {size:,} bytes"
+
+
+def test_a_cap_the_user_sets_is_announced_with_how_much_of_the_corpus_was_read(tmp_path: Path):
+    for i in range(4):
+        (tmp_path / f"{i}.txt").write_text(f"document {i} " * 100)  # 1,100 bytes each
+    cfg = DataConfig(source="files", paths=[str(tmp_path / "*.txt")], seq_len=8, max_bytes=2_000)
+    assert load_corpus(cfg).describe() == (
+        "2 documents, 2,000 bytes read of the 4,400 bytes of its 4 files "
+        "(data.max_bytes=2,000 stopped the reading in file 2; data.max_bytes: null reads them all)"
+    )
+    tiny = DataConfig(source="files", paths=[str(tmp_path / "*.txt")], seq_len=8, max_bytes=5)
+    with pytest.raises(
+        ValueError, match=r"5 bytes read of the 4,400 bytes of its 4 files .* raise data.max_bytes"
+    ):
+        load_corpus(tiny)
+
+
 def test_packing_shifts_labels_and_splits_documents(tmp_path: Path):
     texts = [f"document number {i} " * 5 for i in range(20)]
     (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts[:10]))

@@ -153,8 +153,8 @@ class DataConfig:
     """`bytes` (ids 0-255, EOS 256), or a local `tokenizer.json` / HF model directory holding one."""
     eos_token: str | None = None
     """End-of-document token of a tokenizer file (None = its tokenizer_config.json, or a usual name)."""
-    max_bytes: int | None = 4_000_000
-    """Stop reading the corpus after this many bytes (None = everything)."""
+    max_bytes: int | None = None
+    """Stop reading the corpus after this many bytes of text (None = all of it); a cut is announced."""
     seq_len: int = 128
     """Tokens per packed training sequence."""
     micro_batch_size: int = 4

@@ -7,7 +7,9 @@ JSON Lines (a ``.json`` array of records also works) and ``.parquet`` by the ``d
 field, anything else as one text document. Each document is tokenized (:mod:`plait.train.tokenizer`)
 and followed by the tokenizer's EOS. Documents are split into train and validation by index
 (every k-th document is held out; the last one when there are fewer than k), each side
-concatenated (packed) and cut into ``seq_len + 1`` windows.
+concatenated (packed) and cut into ``seq_len + 1`` windows. The whole corpus is read unless
+``data.max_bytes`` caps the bytes of text; a cut is named in :meth:`Corpus.describe` (the run's
+summary) and in the errors about too little data, with how much of the corpus was read.
 
 The sampler walks one global order (a seeded permutation per epoch); each optimizer micro-step
 takes ``micro_batch_size * dp_size`` consecutive positions and data-parallel rank ``r`` keeps the
@@ -17,13 +19,13 @@ whatever the mesh; the position is the whole resumable state.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import json
 import os
 import sysconfig
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +38,7 @@ __all__ = [
     "EOS",
     "TOKENIZER_VOCAB",
     "Corpus",
+    "Extent",
     "GlobalSampler",
     "PackedDataset",
     "check_corpus_ids",
@@ -133,17 +136,24 @@ def _documents_of(path: Path, text_key: str) -> Iterator[bytes]:
 
 def read_documents(cfg: DataConfig) -> list[bytes]:
     """The corpus documents in a fixed order, stopping after ``cfg.max_bytes`` bytes."""
+    return _read(cfg)[0]
+
+
+def _read(cfg: DataConfig) -> tuple[list[bytes], Extent]:
     files = stdlib_files() if cfg.source == "stdlib" else check_paths(cfg)
+    extent = Extent(files=len(files), file_bytes=sum(f.stat().st_size for f in files))
     docs: list[bytes] = []
     total = 0
     for path in files:
+        extent.files_read += 1
         for doc in _documents_of(path, cfg.text_key):
             if cfg.max_bytes is not None and total + len(doc) > cfg.max_bytes:
                 docs.append(doc[: cfg.max_bytes - total])
-                return [d for d in docs if d]
+                extent.cut_at = cfg.max_bytes
+                return [d for d in docs if d], extent
             docs.append(doc)
             total += len(doc)
-    return [d for d in docs if d]
+    return [d for d in docs if d], extent
 
 
 def encode(doc: bytes, tokenizer: Tokenizer | None = None) -> np.ndarray:
@@ -175,7 +185,21 @@ class PackedDataset:
         return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
 
-@dataclass
+@dataclasses.dataclass
+class Extent:
+    """How much of the corpus's files was read: all of them, or what ``data.max_bytes`` let through."""
+
+    files: int
+    """Files of the corpus."""
+    file_bytes: int
+    """Their size on disk, all of them."""
+    files_read: int = 0
+    """Files read from (the last one only in part when the cap cut it)."""
+    cut_at: int | None = None
+    """``data.max_bytes`` when it stopped the reading before the end of the corpus, else None."""
+
+
+@dataclasses.dataclass
 class Corpus:
     """Train and validation splits of the packed corpus."""
 
@@ -183,12 +207,24 @@ class Corpus:
     val: PackedDataset
     num_documents: int
     num_bytes: int
+    extent: Extent
+
+    def describe(self) -> str:
+        """``N documents, B bytes``; when ``data.max_bytes`` cut the corpus, how much of it was read."""
+        read = f"{self.num_documents:,} documents, {self.num_bytes:,} bytes"
+        e = self.extent
+        if e.cut_at is None:
+            return read
+        return (
+            f"{read} read of the {e.file_bytes:,} bytes of its {e.files:,} files (data.max_bytes={e.cut_at:,} "
+            f"stopped the reading in file {e.files_read:,}; data.max_bytes: null reads them all)"
+        )
 
 
 def corpus_fingerprint(cfg: DataConfig, tokenizer: Tokenizer) -> str:
     """A key of everything the packed tokens depend on: files (paths, sizes, mtimes), tokenizer, split."""
     files = stdlib_files() if cfg.source == "stdlib" else check_paths(cfg)
-    h = hashlib.sha256(f"v1|{cfg.source}|{cfg.text_key}|{cfg.max_bytes}|{cfg.val_fraction}".encode())
+    h = hashlib.sha256(f"v2|{cfg.source}|{cfg.text_key}|{cfg.max_bytes}|{cfg.val_fraction}".encode())
     h.update(f"|{tokenizer.name}|{tokenizer.vocab_size}|{tokenizer.eos_id}".encode())
     tok_file = Path(tokenizer.name)
     for f in [tok_file] if tok_file.is_file() else []:
@@ -205,7 +241,8 @@ def _read_cache(directory: Path, seq_len: int) -> Corpus | None:
         return None
     info = json.loads(meta.read_text())
     train, val = (np.load(directory / f"{split}.npy", mmap_mode="r") for split in ("train", "val"))
-    return Corpus(PackedDataset(train, seq_len), PackedDataset(val, seq_len), **info)
+    extent = Extent(**info.pop("extent"))
+    return Corpus(PackedDataset(train, seq_len), PackedDataset(val, seq_len), **info, extent=extent)
 
 
 def _write_cache(directory: Path, corpus: Corpus) -> None:
@@ -214,7 +251,11 @@ def _write_cache(directory: Path, corpus: Corpus) -> None:
         tmp = directory / f".{split}.{os.getpid()}.npy"
         np.save(tmp, getattr(corpus, split).tokens)
         os.replace(tmp, directory / f"{split}.npy")
-    info = {"num_documents": corpus.num_documents, "num_bytes": corpus.num_bytes}
+    info = {
+        "num_documents": corpus.num_documents,
+        "num_bytes": corpus.num_bytes,
+        "extent": dataclasses.asdict(corpus.extent),
+    }
     tmp = directory / f".meta.{os.getpid()}.json"
     tmp.write_text(json.dumps(info))
     os.replace(tmp, directory / "meta.json")  # last: a directory without meta.json is incomplete
@@ -245,7 +286,7 @@ def load_corpus(
 
 
 def _build_corpus(cfg: DataConfig, tokenizer: Tokenizer) -> Corpus:
-    docs = read_documents(cfg)
+    docs, extent = _read(cfg)
     every = max(2, round(1 / cfg.val_fraction))
     held_out = {i for i in range(len(docs)) if i % every == every - 1} or {len(docs) - 1}
     train = [encode(d, tokenizer) for i, d in enumerate(docs) if i not in held_out]
@@ -255,12 +296,14 @@ def _build_corpus(cfg: DataConfig, tokenizer: Tokenizer) -> Corpus:
         val=PackedDataset(np.concatenate(val) if val else np.zeros(0, np.int32), cfg.seq_len),
         num_documents=len(docs),
         num_bytes=sum(len(d) for d in docs),
+        extent=extent,
     )
     for split in ("train", "val"):
         if len(getattr(corpus, split)) == 0:
+            fix = "raise data.max_bytes, add data" if extent.cut_at is not None else "add data"
             raise ValueError(
-                f"the {split} split of the corpus ({len(docs)} documents, {corpus.num_bytes} bytes) holds no "
-                f"sequence of data.seq_len={cfg.seq_len}+1 tokens; add data, raise data.max_bytes or lower seq_len"
+                f"the {split} split of the corpus ({corpus.describe()}) holds no sequence of "
+                f"data.seq_len={cfg.seq_len}+1 tokens; {fix} or lower data.seq_len"
             )
     return corpus
 

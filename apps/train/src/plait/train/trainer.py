@@ -268,7 +268,7 @@ class Trainer:
                 f"device {self.device} | backend {dist.get_backend()} | compile {compile_text(self.model)}",
                 f"model {model_class_name(self.model)} ({self.recipe.model.source}, preset {self.recipe.model.preset})",
                 layout.text(),
-                f"data {self.recipe.data.source} (tokenizer {self.tokenizer.name}): {corpus.num_documents} documents, {corpus.num_bytes:,} bytes, "
+                f"data {self.recipe.data.source} (tokenizer {self.tokenizer.name}): {corpus.describe()}, "
                 f"{len(corpus.train)} train / {len(corpus.val)} val sequences of {self.recipe.data.seq_len} tokens",
                 f"global batch {self.recipe.data.micro_batch_size * self.dp_size * self.recipe.train.grad_accum} "
                 f"sequences (micro {self.recipe.data.micro_batch_size} x dp {self.dp_size} x accum "
