@@ -209,3 +209,22 @@ def test_custom_styles_match_the_unsharded_modules() -> None:
         assert r["replicate"]["dtensor"]["out_type"] == "DTensor"
         rot = r["rotary"]
         assert rot["types"] == ("Tensor", "Tensor") and rot["shape"] == (8, 2) and rot["diff"] == 0.0, rot
+
+
+def _odd_sequence_error() -> str:
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    par = parallelize_module(
+        nn.Embedding(5, 3), mesh, VocabParallelEmbedding(output_layouts=Shard(1), use_local_output=False)
+    )
+    try:
+        par(torch.tensor([[0, 1, 2], [4, 3, 2]]))
+    except ValueError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_sequence_parallel_refuses_a_sequence_the_tp_size_does_not_divide() -> None:
+    """Seq 3 over tp 2 used to reach gloo's reduce-scatter with uneven sizes (SIGABRT); now every rank refuses."""
+    for message in run_on_ranks(_odd_sequence_error, 2):
+        assert "shards the 3 tokens of dim 1 given to" in message and "over tp_size=2" in message, message
+        assert "turn sequence_parallel off" in message

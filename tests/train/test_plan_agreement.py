@@ -37,6 +37,7 @@ REFUSED: list[tuple[str, list[str]]] = [
     ("moe_ep", ["parallel.cp_size=2"]),
     ("vlm_frozen_tower", ["parallel.cp_size=2"]),
     ("dense_fsdp2", ["parallel.ep_size=2"]),
+    ("dense_fsdp2", ["parallel.tp_size=2", "parallel.sequence_parallel=true", "data.seq_len=7"]),
     ("moe_ep", ["parallel.tp_size=2", "parallel.options.tp_plan={'model.layers.*.mlp.experts': colwise}"]),
     ("dense_fsdp2", ["parallel.tp_size=2", "parallel.options.tp_plan={'model.nothing': colwise}"]),
     ("dense_fsdp2", ["parallel.cp_size=2", "data.seq_len=30"]),

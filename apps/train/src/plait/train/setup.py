@@ -105,15 +105,28 @@ def check_recipe(recipe: Recipe, world_size: int, *, devices: bool = True) -> St
             "class), "
             f"got model.source {recipe.model.source!r}"
         )
-    cp = recipe.parallel.cp_size
-    if cp > 1 and recipe.data.seq_len % (2 * cp):
-        raise ValueError(
-            f"parallel.cp_size {cp} needs data.seq_len to be a multiple of 2 * cp_size = {2 * cp}, "
-            f"got {recipe.data.seq_len}"
-        )
+    _check_sequence_shards(recipe, config)
     check_pipeline_recipe(recipe)
     check_vocabulary(recipe, check_data(recipe))
     return config
+
+
+def _check_sequence_shards(recipe: Recipe, config: StrategyConfig) -> None:
+    """Refuse a ``data.seq_len`` that context or sequence parallel cannot split evenly."""
+    p, seq_len = recipe.parallel, recipe.data.seq_len
+    if p.cp_size > 1 and seq_len % (2 * p.cp_size):
+        raise ValueError(
+            f"parallel.cp_size {p.cp_size} needs data.seq_len to be a multiple of 2 * cp_size = "
+            f"{2 * p.cp_size}, got {seq_len}"
+        )
+    local = seq_len // p.cp_size
+    if getattr(config, "sequence_parallel", False) and p.tp_size > 1 and local % p.tp_size:
+        per_cp = f" ({local} per context-parallel rank)" if p.cp_size > 1 else ""
+        raise ValueError(
+            f"parallel.sequence_parallel shards the sequence over tp_size {p.tp_size}, which does not "
+            f"divide data.seq_len {seq_len}{per_cp}; set data.seq_len to a multiple of "
+            f"{p.tp_size * p.cp_size} or parallel.sequence_parallel: false"
+        )
 
 
 def freeze_vision_tower(model: nn.Module) -> None:

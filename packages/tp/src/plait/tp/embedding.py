@@ -107,7 +107,26 @@ def _ids_pre_hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] |
         ids = ids.redistribute(placements=[Replicate()]).to_local()
     elif not isinstance(style.input_layouts, Replicate):
         ids = DTensor.from_local(ids, mesh, [style.input_layouts], run_check=False).full_tensor()
+    _check_sequence_divides(module, ids, style, mesh.size())
     return (ids, *args[1:])
+
+
+def _check_sequence_divides(
+    module: nn.Module, ids: torch.Tensor, style: VocabParallelEmbedding, tp: int
+) -> None:
+    """Refuse a sequence-sharded output whose length the TP size does not divide (uneven shards hang gloo and NCCL).
+
+    Every rank of the TP group holds the same ids, so each raises here, before the reduce-scatter.
+    """
+    layout = style.output_layouts
+    if not isinstance(layout, Shard) or layout.dim >= ids.dim() or ids.shape[layout.dim] % tp == 0:
+        return
+    length = ids.shape[layout.dim]
+    raise ValueError(
+        f"sequence parallel shards the {length} tokens of dim {layout.dim} given to {type(module).__name__} "
+        f"over tp_size={tp}, which does not divide {length}; pad or cut the sequence to a multiple of "
+        f"{tp} (per context-parallel rank), or turn sequence_parallel off"
+    )
 
 
 def _to_dtensor_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
