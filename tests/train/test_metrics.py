@@ -39,11 +39,11 @@ def test_lines_and_jsonl_sections_per_attempt_without_a_bar_when_not_a_terminal(
         logger.validation(4, 2.0)
         logger.close()
     lines = out.getvalue().splitlines()
-    assert lines[0] == (
+    assert lines[1] == (
         "step      2/4 | loss 2.5000 | lr 1.00e-03 | grad_norm 0.500 | 2,000 ms | tok/s 4,000 | "
         "tok/s/dev 1,000 | TFLOPs/dev 1.00 | MFU n/a | mem 100 MiB"
     )
-    assert len(lines) == 6 and "val_loss 2.0000" in lines[2] and "eta" not in out.getvalue()
+    assert len(lines) == 8 and "val_loss 2.0000" in lines[3] and "eta" not in out.getvalue()
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     starts = [i for i, r in enumerate(records) if r["kind"] == "run_start"]
     assert starts == [0, 6] and [records[i]["attempt"] for i in starts] == [0, 1]
@@ -52,6 +52,20 @@ def test_lines_and_jsonl_sections_per_attempt_without_a_bar_when_not_a_terminal(
     assert records[5]["kind"] == "val" and records[5]["val_loss"] == 2.0
     assert all("T" in r["time"] and r["time"].endswith("+00:00") for r in records)
     assert records[1]["mfu"] is None and records[1]["tokens_per_s_per_device"] == 1000.0
+
+
+@pytest.mark.parametrize(
+    ("first", "total", "printed"),
+    [(1, 200, [1, *range(10, 201, 10)]), (7, 25, [7, 10, 20, 25]), (1, 1, [1]), (30, 30, [30])],
+)
+def test_every_log_every_th_step_is_printed_and_the_first_and_last_always(
+    first: int, total: int, printed: list[int]
+):
+    out = io.StringIO()
+    logger = MetricsLogger(None, total_steps=total, enabled=True, stream=out, log_every=10)
+    for step in range(first, total + 1):  # a resumed attempt starts after its checkpoint's step
+        logger.step(step, **VALUES)
+    assert [int(line.split()[1].split("/")[0]) for line in out.getvalue().splitlines()] == printed
 
 
 def test_progress_bar_with_eta_on_a_terminal(tmp_path: Path):

@@ -213,8 +213,8 @@ class TrainConfig:
     """Micro-batches per optimizer step."""
     seed: int = 0
     """Seed of weights, data order and RNG."""
-    log_every: int = 1
-    """Print a metrics line every N steps (metrics.jsonl gets every step)."""
+    log_every: int = 10
+    """Print a metrics line every N steps, and the first and last step (metrics.jsonl gets every step)."""
     val_every: int = 50
     """Validation loss every N steps (0 = only at the end)."""
     val_batches: int = 4

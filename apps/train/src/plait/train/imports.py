@@ -13,9 +13,10 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from plait.train.config import Recipe
+if TYPE_CHECKING:
+    from plait.train.config import Recipe
 
 __all__ = ["ALLOW_IMPORTS_FLAG", "check_recipe_imports", "drop_implicit_cwd", "recipe_import_paths"]
 

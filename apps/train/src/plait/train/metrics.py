@@ -143,7 +143,8 @@ class MetricsLogger:
         total_steps: for the progress bar's ETA.
         enabled: True on the rank that logs (rank 0).
         stream: where lines go (default stdout); a bar is drawn only if it is a terminal.
-        log_every: print every N-th step line (the file gets every step).
+        log_every: print every N-th step line, and always the first and the last step (the file
+            gets every step).
         tensorboard_dir: also write scalars to TensorBoard under ``<dir>/attempt_N`` (needs the
             ``tensorboard`` package: ``plait-train[tensorboard]``); None = off.
         run_info: extra fields of the ``run_start`` record (e.g. the run name, world size).
@@ -202,14 +203,15 @@ class MetricsLogger:
         """Record one optimizer step (``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``mem_mib``...)."""
         if not self.enabled:
             return
-        if self._first_step is None:
+        first = self._first_step is None
+        if first:
             self._first_step, self._start = step - 1, time.monotonic()
         self._write({"kind": "train", "step": step, "time": _now(), **values})
         if self._tb is not None:
             for key, value in values.items():
                 if isinstance(value, int | float):
                     self._tb.add_scalar(f"train/{key}", value, step)
-        if step % self.log_every == 0 or step == self.total_steps:
+        if first or step % self.log_every == 0 or step == self.total_steps:
             self._print(_line(step, self.total_steps, values))
         if self.tty:
             self._bar(step)

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from plait.train.config import Recipe, recipe_from_dict
+if TYPE_CHECKING:
+    from plait.train.config import Recipe
 
 __all__ = [
     "MAX_DEPTH",
@@ -143,6 +144,8 @@ def _read(file: Path) -> dict[str, Any]:
 
 def load_recipe(path: str | None = None, overrides: list[str] | None = None) -> Recipe:
     """Load ``path`` (None = the embedded default recipe), apply overrides, map strictly."""
+    from plait.train.config import recipe_from_dict  # here: listing recipes does not import torch
+
     data = _read(resolve_recipe_path(path)) if path is not None else {}
     return recipe_from_dict(apply_overrides(data, overrides or []))
 

@@ -89,6 +89,20 @@ class ModelLayout:
     local_trainable: Counter[torch.dtype] = field(default_factory=Counter)
     """Trainable elements this rank stores (gradients and optimizer state follow these), by dtype."""
 
+    def brief(self) -> str:
+        """Three lines for the training summary: parameters, FSDP units, TP-sharded patterns."""
+        units = Counter(pattern_of(u) for u in self.fsdp_units)
+        local = sum(self.local_params.values())
+        by_dtype = ", ".join(f"{_dtype_name(d)} {n:,}" for d, n in self.local_params.items()) or "none"
+        listed = ", ".join(p + (f" x{n}" if n > 1 else "") for p, n in units.items())
+        return "\n".join(
+            [
+                f"parameters: {self.total_params:,} total, {local:,} per rank ({by_dtype})",
+                f"FSDP units: {len(self.fsdp_units)} ({listed or 'none'})",
+                f"TP-sharded parameters: {len(self.tp_placements)} patterns (plait-train plan lists them)",
+            ]
+        )
+
     def text(self, max_lines: int = 12) -> str:
         """A short multi-line report."""
         units = Counter(pattern_of(u) for u in self.fsdp_units)

@@ -267,7 +267,7 @@ class Trainer:
                 describe_mesh(self.ctx, self.info.world_size),
                 f"device {self.device} | backend {dist.get_backend()} | compile {compile_text(self.model)}",
                 f"model {model_class_name(self.model)} ({self.recipe.model.source}, preset {self.recipe.model.preset})",
-                layout.text(),
+                layout.brief(),
                 f"data {self.recipe.data.source} (tokenizer {self.tokenizer.name}): {corpus.describe()}, "
                 f"{len(corpus.train)} train / {len(corpus.val)} val sequences of {self.recipe.data.seq_len} tokens",
                 f"global batch {self.recipe.data.micro_batch_size * self.dp_size * self.recipe.train.grad_accum} "
