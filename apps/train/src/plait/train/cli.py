@@ -193,10 +193,13 @@ def main(argv: list[str] | None = None) -> int:
             max_restarts=recipe.launch.max_restarts,
         )
 
+    from plait.train.errors import report_internal
     from plait.train.trainer import SetupError, run
 
     try:
         run(recipe, config)
     except (SetupError, UserError, Stopped) as err:
         return _fail(err)
+    except Exception as err:  # internal: its traceback, printed once and kept in the run directory
+        return report_internal(err, recipe.run_dir)
     return 0

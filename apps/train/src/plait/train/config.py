@@ -287,6 +287,15 @@ class Recipe:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
+    def __post_init__(self) -> None:
+        if self.name in ("", ".", "..") or "/" in self.name or "\0" in self.name:
+            raise ValueError(
+                f"name {self.name!r} must be one path component (no '/', not '.', '..' or empty): it names "
+                "the run directory runs/<name>; use e.g. name: my_run, and out_dir to place the run elsewhere"
+            )
+        if not self.out_dir.strip():
+            raise ValueError(f"out_dir {self.out_dir!r} is empty; name the run directory, e.g. runs/{{name}}")
+
     @property
     def run_dir(self) -> str:
         """The run directory with `{name}` filled in."""

@@ -7,12 +7,18 @@ safetensors, a recipe nested too deeply) and phrases it; anything else is an int
 keeps its traceback. :func:`phase` adds what the job was doing (which file, which recipe key) to
 the errors that do not say it themselves. ``PLAIT_TRAIN_TRACEBACK=1`` shows the traceback of every
 error, user errors included.
+
+Under the local launcher (:data:`REPORTS_ENV` set) a rank does not print its error line: it writes
+it, with its exit code and the rank it happened on, to ``<reports>/rank_<r>.json``; the launcher
+prints each distinct line once, naming its ranks (see :mod:`plait.train.launch`). The traceback of
+an internal error is printed by the rank itself and kept in ``<run_dir>/errors/rank_<r>.txt``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import sys
 import traceback
@@ -23,14 +29,17 @@ __all__ = [
     "EXIT_INTERNAL",
     "EXIT_STOPPED",
     "EXIT_USER",
+    "REPORTS_ENV",
+    "RUN_ENTRIES",
     "TRACEBACK_ENV",
     "Stopped",
     "UserError",
     "check_run_dir",
     "one_line",
     "phase",
-    "print_error",
+    "emit_error",
     "report",
+    "report_internal",
     "user_message",
 ]
 
@@ -41,6 +50,10 @@ EXIT_INTERNAL = 1
 EXIT_STOPPED = 128 + 15
 """Stopped by SIGTERM (after saving a checkpoint where one could be written in time)."""
 TRACEBACK_ENV = "PLAIT_TRAIN_TRACEBACK"
+REPORTS_ENV = "PLAIT_TRAIN_REPORTS"
+"""Set by the local launcher for its ranks: the directory each rank writes its error report to."""
+RUN_ENTRIES = (".lock", "recipe.yaml", "metrics.jsonl", "checkpoints", "token_cache")
+"""Entries only a run writes: an existing directory holding one of them is a run directory."""
 _NAME_MAX = 255
 _FIXES = {
     errno.ENOENT: "check the path",
@@ -61,9 +74,11 @@ class UserError(Exception):
 
     exit_code = EXIT_USER
 
-    def __init__(self, message: str, *, exit_code: int = EXIT_USER) -> None:
+    def __init__(self, message: str, *, exit_code: int = EXIT_USER, rank: int | None = None) -> None:
+        """``rank``: the rank the error happened on, when it is another (its line, passed on)."""
         super().__init__(message)
         self.exit_code = exit_code
+        self.rank = rank
 
 
 class Stopped(Exception):
@@ -89,9 +104,20 @@ def stderr_line(text: str) -> None:
     os.write(fd, (text + "\n").encode(errors="replace"))
 
 
-def print_error(message: str) -> None:
-    """Print ``plait-train: error: <message>`` as one line on stderr."""
-    stderr_line(f"plait-train: error: {one_line(message)}")
+def emit_error(message: str, code: int, *, origin: int | None = None) -> None:
+    """Print ``plait-train: error: <message>``, or under the local launcher report it to the launcher.
+
+    ``code`` is the rank's exit code, ``origin`` the rank the error happened on when it is another.
+    A report that cannot be written is printed instead.
+    """
+    line = f"plait-train: error: {one_line(message)}"
+    reports, rank = os.environ.get(REPORTS_ENV), os.environ.get("RANK")
+    if reports and rank is not None:
+        record = {"line": line, "code": code, "origin": int(rank) if origin is None else origin}
+        with contextlib.suppress(OSError):
+            Path(reports, f"rank_{rank}.json").write_text(json.dumps(record))
+            return
+    stderr_line(line)
 
 
 def report(err: BaseException) -> int:
@@ -104,8 +130,28 @@ def report(err: BaseException) -> int:
     if isinstance(err, Stopped):
         stderr_line(f"plait-train: {one_line(str(err))}")
         return EXIT_STOPPED
-    print_error(user_message(err) or str(err))
-    return getattr(err, "exit_code", EXIT_USER)
+    code = getattr(err, "exit_code", EXIT_USER)
+    emit_error(user_message(err) or str(err), code, origin=getattr(err, "rank", None))
+    return code
+
+
+def report_internal(err: BaseException, run_dir: str | Path) -> int:
+    """Print the traceback of an internal error once, keep it in ``<run_dir>/errors/rank_<r>.txt``.
+
+    Then its line is emitted (see :func:`emit_error`). Returns :data:`EXIT_INTERNAL`.
+    """
+    text = "".join(traceback.format_exception(err))
+    stderr_line(text.rstrip("\n"))
+    kept = Path(run_dir, "errors", f"rank_{os.environ.get('RANK', '0')}.txt")
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        with kept.open("a") as f:
+            f.write(f"attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}:\n{text}\n")
+        where = f"; kept in {kept}"
+    except OSError:
+        where = ""
+    emit_error(f"internal error ({type(err).__name__}), traceback above{where}", EXIT_INTERNAL)
+    return EXIT_INTERNAL
 
 
 def _raised_by_plait(err: BaseException) -> bool:
@@ -163,10 +209,13 @@ def phase(what: str) -> Iterator[None]:
 
 
 def check_run_dir(run_dir: str | Path) -> None:
-    """Refuse a run directory whose name cannot exist, on every rank, before anything is written.
+    """Refuse a run directory that cannot exist or is not a run's, on every rank, before anything is written.
+
+    A run writes, and its checkpoint rotation deletes, under its directory: ``/``, the home directory
+    and an existing directory holding files but none of :data:`RUN_ENTRIES` are refused.
 
     Raises:
-        UserError: a path component longer than the filesystem's 255-byte limit.
+        UserError: a path component longer than the filesystem's 255-byte limit, or one of those.
     """
     for part in Path(run_dir).parts:
         size = len(os.fsencode(part))
@@ -174,4 +223,20 @@ def check_run_dir(run_dir: str | Path) -> None:
             raise UserError(
                 f"run directory {str(run_dir)[:60]!r}... has a {size}-byte component (the limit is {_NAME_MAX}); "
                 "use a shorter name / out_dir"
+            )
+    resolved = Path(run_dir).resolve()
+    if resolved == Path(resolved.anchor) or resolved == Path.home().resolve():
+        what = "the filesystem root" if resolved == Path(resolved.anchor) else "your home directory"
+        raise UserError(
+            f"out_dir {str(run_dir)!r} is {what}; a run writes and deletes files in its directory: "
+            "name a directory of its own, e.g. out_dir: runs/{name}"
+        )
+    if resolved.is_dir():
+        with phase(f"out_dir {str(run_dir)!r}"):
+            entries = sorted(p.name for p in resolved.iterdir())
+        if entries and not set(entries) & set(RUN_ENTRIES):
+            shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+            raise UserError(
+                f"out_dir {str(run_dir)!r} holds other files ({shown}) and is not a run directory; a run writes "
+                "and deletes files in its directory: name a new or empty one"
             )

@@ -6,19 +6,29 @@ behind ``torchrun --standalone``), each rank forked from :mod:`plait.train.rank_
 rendezvous port, restarts of crashed attempts when
 asked (never of a user error, exit 2), one line on SIGTERM, at most as many ranks as the machine
 runs. Under ``torchrun`` nothing is launched; the launcher's ranks are used as they are.
+
+When ranks fail, the ranks' error lines come to the launcher (each rank writes its own to a
+directory of the launcher's, see :data:`plait.train.errors.REPORTS_ENV`), which prints each distinct
+line once, naming its ranks when several printed it (``... (on ranks 0-3)``), then one line that
+names a rank killed by a signal (``rank 3 was killed by SIGKILL``) and counts the failed ranks:
+those that failed on their own or were killed, not those that stopped after them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
 import sys
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
-from plait.train.errors import EXIT_STOPPED, EXIT_USER, stderr_line
+from plait.train.errors import EXIT_STOPPED, EXIT_USER, REPORTS_ENV, stderr_line
 from plait.train.rank_server import RUN_ID_PREFIX, rank_main, start_rank_server
 
 __all__ = [
@@ -108,29 +118,103 @@ def launch_local(
     start_rank_server()
     _quiet_elastic_logs()
     attempt = 0
-    while True:
-        try:
-            env = {ATTEMPT_ENV: str(attempt), "OMP_NUM_THREADS": threads}
-            _launch_once(main, argv, nproc_per_node, env)
-        except SignalException as err:
-            stderr_line(f"plait-train: stopped by {signal.Signals(err.sigval).name}")
-            return EXIT_STOPPED
-        except ChildFailedError as err:
-            codes = sorted({f.exitcode for f in err.failures.values()})
-            if codes == [EXIT_STOPPED]:
-                stderr_line("plait-train: the ranks were stopped by SIGTERM")
+    with tempfile.TemporaryDirectory(prefix="plait-train-reports-") as reports:
+        while True:
+            for old in Path(reports).iterdir():
+                old.unlink()
+            try:
+                env = {ATTEMPT_ENV: str(attempt), "OMP_NUM_THREADS": threads, REPORTS_ENV: reports}
+                _launch_once(main, argv, nproc_per_node, env)
+            except SignalException as err:
+                _print_lines(_records(reports))
+                stderr_line(f"plait-train: stopped by {signal.Signals(err.sigval).name}")
                 return EXIT_STOPPED
-            if EXIT_STOPPED in codes or EXIT_USER in codes or attempt >= max_restarts:
-                why = "a user error is not retried; " if EXIT_USER in codes and attempt < max_restarts else ""
-                stderr_line(
-                    f"plait-train: {len(err.failures)} rank(s) failed (exit codes {codes}); {why}"
-                    f"{attempt} restart(s) made"
-                )
-                return next((c for c in codes if c > 0), 1)
-            attempt += 1
-            stderr_line(f"plait-train: restart {attempt} of {max_restarts} (exit codes {codes})")
-            continue
-        return 0
+            except ChildFailedError as err:
+                codes, what = _failed(_records(reports), err.failures, nproc_per_node)
+                if codes == [EXIT_STOPPED]:
+                    stderr_line("plait-train: the ranks were stopped by SIGTERM")
+                    return EXIT_STOPPED
+                if EXIT_STOPPED in codes or EXIT_USER in codes or attempt >= max_restarts:
+                    why = (
+                        "a user error is not retried; "
+                        if EXIT_USER in codes and attempt < max_restarts
+                        else ""
+                    )
+                    stderr_line(f"plait-train: {what}; {why}{attempt} restart(s) made")
+                    return next((c for c in codes if c > 0), 1)
+                attempt += 1
+                stderr_line(f"plait-train: restart {attempt} of {max_restarts} ({what})")
+                continue
+            return 0
+
+
+def _records(reports: str) -> dict[int, dict[str, Any]]:
+    """The ranks' error reports (see :func:`plait.train.errors.emit_error`), by rank."""
+    found = {}
+    for path in Path(reports).glob("rank_*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            found[int(path.stem.removeprefix("rank_"))] = json.loads(path.read_text())
+    return found
+
+
+def _spans(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    spans: list[list[int]] = []
+    for rank in sorted(ranks):
+        if spans and rank == spans[-1][-1] + 1:
+            spans[-1].append(rank)
+        else:
+            spans.append([rank])
+    return ", ".join(f"{s[0]}-{s[-1]}" if len(s) > 1 else str(s[0]) for s in spans)
+
+
+def _print_lines(records: dict[int, dict[str, Any]], skip: set[int] | frozenset[int] = frozenset()) -> None:
+    """Each distinct line once, in rank order; a rank's own line printed by several gets ``(on ranks ...)``.
+
+    Lines passed on from a rank in ``skip`` (one killed by a signal, named by the launcher) are left out.
+    """
+    by_line: dict[str, list[int]] = {}
+    for rank in sorted(records):
+        if records[rank]["origin"] not in skip:
+            by_line.setdefault(records[rank]["line"], []).append(rank)
+    for line, ranks in by_line.items():
+        own = all(records[r]["origin"] == r for r in ranks)
+        stderr_line(f"{line} (on ranks {_spans(ranks)})" if own and len(ranks) > 1 else line)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_spans(ranks)}"
+
+
+def _failed(
+    records: dict[int, dict[str, Any]], failures: dict[int, Any], world: int
+) -> tuple[list[int], str]:
+    """Print the ranks' lines and a killed rank's signal; return the exit codes and what failed.
+
+    ``failures`` (torch elastic's, by global rank) holds the first rank seen to end: its exit code,
+    negative for a signal. Failed ranks are those that failed on their own, ended without a report
+    (killed) or were named by others as the origin of their error; the rest stopped after them.
+    """
+    killed = {r: f.signal_name() for r, f in failures.items() if f.exitcode < 0 and r not in records}
+    _print_lines(records, set(killed))
+    for rank, name in sorted(killed.items()):
+        stderr_line(f"plait-train: rank {rank} was killed by {name}")
+    failed = {r: f"exit code {rec['code']}" for r, rec in records.items() if rec["origin"] == r}
+    failed.update(
+        {r: f"exit code {f.exitcode}" for r, f in failures.items() if f.exitcode > 0 and r not in records}
+    )
+    failed.update(killed)
+    for origin in {rec["origin"] for rec in records.values()} - set(failed):
+        failed[origin] = "no report"
+    codes = sorted({*(rec["code"] for rec in records.values()), *(f.exitcode for f in failures.values())})
+    groups: dict[str, list[int]] = {}
+    for rank in sorted(failed):
+        groups.setdefault(failed[rank], []).append(rank)
+    what = f"{len(failed)} of {world} ranks failed ({'; '.join(f'{_ranks(rs)}: {how}' for how, rs in groups.items())})"
+    after = sorted(set(records) - set(failed))
+    if after:
+        what += f"; {_ranks(after)} stopped after {'it' if len(failed) == 1 else 'them'}"
+    return codes, what
 
 
 def _launch_once(

@@ -11,6 +11,9 @@
   rank whose collective then breaks (or that is blocked in one) prints that line instead of its
   own secondary traceback, so a user error is one line on every rank and an internal error keeps
   its traceback once, on the rank it happened on.
+- **A peer's death**: each rank records its pid in the store. A rank whose collective breaks with
+  no failure published, while a rank of its machine is gone, names that rank instead of printing a
+  secondary traceback (the launcher, which saw it end, names its signal).
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
+from pathlib import Path
 from types import FrameType
 
 import torch.distributed as dist
@@ -32,7 +38,7 @@ from plait.train.errors import (
     EXIT_STOPPED,
     Stopped,
     UserError,
-    one_line,
+    emit_error,
     stderr_line,
     user_message,
 )
@@ -46,6 +52,7 @@ _PR_SET_PDEATHSIG = 1
 _PEER_WAIT_S = 1.0
 _FAILED_KEY = "failed"
 _STOP_KEY = "stop_step"
+_PID_KEY = "pid/{rank}"
 
 
 def rank_parent() -> int:
@@ -98,6 +105,17 @@ def _job_store(world: int) -> dist.Store | None:
     return dist.PrefixStore(f"plait/lifecycle/{attempt}/", store)
 
 
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` of this machine has ended (a zombie has); False where /proc is missing."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return Path("/proc/self/stat").exists()
+    except (OSError, IndexError):
+        return False
+    return state in ("Z", "X")
+
+
 class RankLifecycle:
     """SIGTERM, the launcher and the other ranks, for one rank of a training job."""
 
@@ -118,9 +136,10 @@ class RankLifecycle:
     # -- set-up -------------------------------------------------------------------------------
 
     def start(self) -> RankLifecycle:
-        """Install the SIGTERM handler (main thread only) and start the watchdog."""
+        """Install the SIGTERM handler (main thread only), record this rank's pid, start the watchdog."""
         with contextlib.suppress(ValueError):
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._set_pid(os.getpid())
         self._watchdog.start()
         return self
 
@@ -131,9 +150,16 @@ class RankLifecycle:
         others does not cut off its one line or turn its exit code into -15.
         """
         self._closed.set()
+        if not self._settling.is_set():
+            self._set_pid(0)  # ended on purpose: not a death for the others
         if self._previous is not None and not self._settling.is_set():
             with contextlib.suppress(ValueError):
                 signal.signal(signal.SIGTERM, self._previous)
+
+    def _set_pid(self, pid: int) -> None:
+        if self.store is not None:
+            with contextlib.suppress(RuntimeError):
+                self.store.set(_PID_KEY.format(rank=self.rank), str(pid))
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         if self._signalled_at is None:
@@ -176,13 +202,35 @@ class RankLifecycle:
         peer = self._peer_failure(_PEER_WAIT_S)
         if peer is not None:
             return peer
+        dead = self._dead_peer()
+        if dead is not None:
+            line = f"rank {dead} died without a report (a signal, or a crash outside Python)"
+            self._publish(f"{EXIT_INTERNAL}|{line}", origin=dead)
+            return self._peer_failure(0.0) or UserError(line, exit_code=EXIT_INTERNAL, rank=dead)
         self._publish(f"{EXIT_INTERNAL}|internal error ({type(err).__name__}), traceback above")
         return err
 
-    def _publish(self, payload: str) -> None:
+    def _publish(self, payload: str, *, origin: int | None = None) -> None:
         if self.store is not None:
             with contextlib.suppress(RuntimeError):
-                self.store.compare_set(_FAILED_KEY, "", f"{self.rank}|{payload}")
+                self.store.compare_set(
+                    _FAILED_KEY, "", f"{self.rank if origin is None else origin}|{payload}"
+                )
+
+    def _dead_peer(self) -> int | None:
+        """A rank of this machine that recorded its pid and has ended since without saying so."""
+        local_rank, local_world = os.environ.get("LOCAL_RANK"), os.environ.get("LOCAL_WORLD_SIZE")
+        if self.store is None or local_rank is None or local_world is None:
+            return None
+        first = self.rank - int(local_rank)
+        for peer in range(first, first + int(local_world)):
+            key = _PID_KEY.format(rank=peer)
+            with contextlib.suppress(RuntimeError, ValueError):
+                if peer != self.rank and self.store.check([key]):
+                    pid = int(self.store.get(key))
+                    if pid > 0 and _gone(pid):
+                        return peer
+        return None
 
     def _peer_failure(self, wait_s: float) -> UserError | None:
         if self.store is None:
@@ -193,7 +241,7 @@ class RankLifecycle:
                 if self.store.check([_FAILED_KEY]):
                     rank, code, message = self.store.get(_FAILED_KEY).decode().split("|", 2)
                     if int(rank) != self.rank:
-                        return UserError(f"{message} (on rank {rank})", exit_code=int(code))
+                        return UserError(f"{message} (on rank {rank})", exit_code=int(code), rank=int(rank))
                     return None
             if time.monotonic() >= deadline:
                 return None
@@ -210,20 +258,20 @@ class RankLifecycle:
                 continue
             peer = self._peer_failure(0.0)
             if peer is not None:
-                self._exit(f"plait-train: error: {one_line(str(peer))}", peer.exit_code)
+                self._exit(peer.exit_code, partial(emit_error, str(peer), peer.exit_code, origin=peer.rank))
             if self._signalled_at is not None and time.monotonic() - self._signalled_at > self._deadline:
-                self._exit(
+                line = (
                     f"plait-train: stopped by SIGTERM, but the ranks could not stop and save within "
-                    f"{self._deadline:g} s ({STOP_TIMEOUT_ENV}); the last complete checkpoint is kept",
-                    EXIT_STOPPED,
+                    f"{self._deadline:g} s ({STOP_TIMEOUT_ENV}); the last complete checkpoint is kept"
                 )
+                self._exit(EXIT_STOPPED, partial(stderr_line, line))
 
-    def _exit(self, line: str, code: int) -> None:
-        """End the process from the watchdog (the main thread is blocked): one line, no cleanup."""
+    def _exit(self, code: int, say: Callable[[], None]) -> None:
+        """End the process from the watchdog (the main thread is blocked): ``say()`` its line, no cleanup."""
         with self._print_lock:
             if self._settling.is_set():
                 return
-            stderr_line(line)
+            say()
             with contextlib.suppress(Exception):
                 sys.stdout.flush()
             os._exit(code)

@@ -21,6 +21,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import sys
+import traceback
 from collections.abc import Callable
 
 __all__ = ["LAUNCHER_PID_ENV", "PRELOADED", "RUN_ID_PREFIX", "rank_main", "start_rank_server"]
@@ -56,6 +57,9 @@ def rank_main(main: Callable[[list[str]], int], argv: list[str], env: dict[str, 
     ``env`` holds what the launcher decided after the server started (the attempt number, the
     threads per rank); the rest of the environment is the server's, the launcher's at its start.
 
+    An exception that escapes ``main`` has its traceback printed here, as an uncaught one would be
+    under ``torchrun``: torch's worker wrapper would only hand it to the launcher's log.
+
     Raises:
         SystemExit: with the rank's exit code when it is not 0.
     """
@@ -72,6 +76,10 @@ def rank_main(main: Callable[[list[str]], int], argv: list[str], env: dict[str, 
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=True)
-    code = main(argv)
+    try:
+        code = main(argv)
+    except Exception:
+        traceback.print_exc()
+        raise
     if code:
         sys.exit(code)

@@ -103,18 +103,26 @@ class Trainer:
             shuffle=recipe.data.shuffle,
         )
         self.run_lock = lock_run_dir(self.run_dir)  # before the first write: a second job stops here
-        self.logger = MetricsLogger(
-            self.run_dir / "metrics.jsonl",
-            total_steps=recipe.train.steps,
-            enabled=info.rank == 0,
-            log_every=recipe.train.log_every,
-            tensorboard_dir=self.run_dir / "tensorboard" if recipe.train.tensorboard else None,
-            run_info={"name": recipe.name, "world_size": info.world_size, "device": str(self.device)},
-        )
+        self._logger: MetricsLogger | None = None
         self.flops_per_token = flops_per_token(getattr(self.model, "module", self.model), recipe.data.seq_len)
         self.step = 0
         self.checkpointer = Checkpointer(recipe, self.ckpt_root)
         self._saved_step = -1
+
+    @property
+    def logger(self) -> MetricsLogger:
+        """The metrics logger, opened (its ``run_start`` record written) on first use: after the checks."""
+        if self._logger is None:
+            recipe, info = self.recipe, self.info
+            self._logger = MetricsLogger(
+                self.run_dir / "metrics.jsonl",
+                total_steps=recipe.train.steps,
+                enabled=info.rank == 0,
+                log_every=recipe.train.log_every,
+                tensorboard_dir=self.run_dir / "tensorboard" if recipe.train.tensorboard else None,
+                run_info={"name": recipe.name, "world_size": info.world_size, "device": str(self.device)},
+            )
+        return self._logger
 
     def _init_data_parallel(self) -> None:
         if self.ctx.device_mesh is None:
@@ -291,11 +299,11 @@ class Trainer:
 
     def _fit(self, stop: Callable[[int], bool] | None) -> None:
         cfg, ckpt = self.recipe.train, self.recipe.checkpoint
+        self.resume()  # its checks first: a refused resume writes neither recipe.yaml nor run_start
         if self.info.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "recipe.yaml").write_text(yaml.safe_dump(to_dict(self.recipe), sort_keys=False))
         self.logger.info(self._summary())
-        self.resume()
         while self.step < cfg.steps:
             self.step += 1
             self.logger.step(self.step, **self.train_step())
