@@ -4,7 +4,7 @@
 ``plan`` is a dry run on torch's fake process group: no ranks, no weights, just the layout.
 ``validate`` runs every check of the recipe against a world size (no ranks, nothing written),
 ``show`` prints the resolved recipe after overrides, ``list`` the shipped recipes.
-A bad recipe prints one ``plait-train: error: ...`` line (on every rank) and exits with 2.
+A bad recipe prints one ``plait-train: error: ...`` line (under the local launcher once, naming its ranks) and exits with 2.
 """
 
 from __future__ import annotations
