@@ -21,6 +21,7 @@ import errno
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,7 +147,7 @@ def report_internal(err: BaseException, run_dir: str | Path) -> int:
     try:
         kept.parent.mkdir(parents=True, exist_ok=True)
         with kept.open("a") as f:
-            f.write(f"attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}:\n{text}\n")
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}, pid {os.getpid()}\n{text}\n")
         where = f"; kept in {kept}"
     except OSError:
         where = ""
