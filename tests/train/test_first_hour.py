@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -10,6 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from plait.train.models import build_model
+from plait.train.plan import plan
+from plait.train.recipes import load_recipe
 from plait.train.summary import ModelLayout
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,3 +49,14 @@ def test_the_training_summary_gives_the_layout_in_three_lines_whatever_the_model
         "FSDP units: 33 (<root>, model.layers.* x32)",
         "TP-sharded parameters: 9 patterns (plait-train plan lists them)",
     ]
+
+
+def test_plan_of_the_pipeline_recipe_gives_the_whole_models_total_and_each_stages():
+    recipe = load_recipe("pipeline")
+    whole = sum(p.numel() for p in build_model(recipe.model, "meta").parameters())
+    out = plan(recipe, 4)
+    assert f"parameters: {whole:,} total\n" in out
+    stages = [int(n.replace(",", "")) for n in re.findall(r"^  stage \d .*: ([\d,]+) params", out, re.M)]
+    assert len(stages) == 4 and sum(stages) == whole
+    rank0 = re.search(r"^parameters of this pp rank's stages: ([\d,]+)$", out, re.M)
+    assert rank0 is not None and int(rank0.group(1).replace(",", "")) == stages[0] + stages[2]

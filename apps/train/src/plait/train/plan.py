@@ -224,6 +224,14 @@ def _memory_text(model: nn.Module) -> str:
     return "\n".join(lines)
 
 
+def _layout_text(model: nn.Module, whole_params: int | None) -> str:
+    """The layout of rank 0's part; under pipeline parallel its total is the whole model's."""
+    layout = layout_of(model)
+    if whole_params is not None:
+        layout.stage_params, layout.total_params = layout.total_params, whole_params
+    return layout.text()
+
+
 def _no_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     raise AssertionError("plan never runs a step")
 
@@ -238,6 +246,9 @@ class DryRun:
     plans: list[ParallelPlan]
     """The plans the flow applied: one, or one per local pipeline stage (whole model's first)."""
     stages: str | None = None
+    """Pipeline parallel: every stage's layers, parameters and memory."""
+    whole_params: int | None = None
+    """Pipeline parallel: parameters of the whole model (``model`` holds rank 0's stages only)."""
 
 
 @contextlib.contextmanager
@@ -272,7 +283,8 @@ def dry_run(recipe: Recipe, config: StrategyConfig, world_size: int) -> DryRun:
         whole = plan_parallelism(model, ctx)
         pipe = build_pipeline(recipe, ctx, torch.device("meta"), _no_loss, materialise=False)
         plans = [whole, *(get_parallel_plan(m) for m in pipe.modules)]
-        return DryRun(ctx, pipe.state_module(), plans, stages_text(recipe, pipe, ctx))
+        whole_params = sum(p.numel() for p in model.parameters())
+        return DryRun(ctx, pipe.state_module(), plans, stages_text(recipe, pipe, ctx), whole_params)
     model = build_parallel_model(recipe, ctx, torch.device("meta"), materialise=False)
     return DryRun(ctx, model, [get_parallel_plan(model)])
 
@@ -316,7 +328,7 @@ def plan(recipe: Recipe, world_size: int) -> str:
             describe_mesh(ctx, world_size),
             f"model {model_class_name(model)} ({recipe.model.source}, preset {recipe.model.preset})",
             *_plan_texts(run.plans),
-            layout_of(model).text(),
+            _layout_text(model, run.whole_params),
             *([run.stages] if run.stages else []),
             _memory_text(model),
             *([_cp_text(model, ctx, recipe)] if ctx.cp_size > 1 else []),

@@ -88,6 +88,8 @@ class ModelLayout:
     """Elements this rank stores, by dtype."""
     local_trainable: Counter[torch.dtype] = field(default_factory=Counter)
     """Trainable elements this rank stores (gradients and optimizer state follow these), by dtype."""
+    stage_params: int | None = None
+    """Pipeline parallel: parameters of this rank's stages (``total_params`` is the whole model's)."""
 
     def brief(self) -> str:
         """Three lines for the training summary: parameters, FSDP units, TP-sharded patterns."""
@@ -107,6 +109,8 @@ class ModelLayout:
         """A short multi-line report."""
         units = Counter(pattern_of(u) for u in self.fsdp_units)
         lines = [f"parameters: {self.total_params:,} total"]
+        if self.stage_params is not None:
+            lines.append(f"parameters of this pp rank's stages: {self.stage_params:,}")
         local = sum(self.local_params.values())
         by_dtype = ", ".join(f"{_dtype_name(d)} {n:,}" for d, n in self.local_params.items()) or "none"
         lines.append(f"parameters per rank: {local:,} ({by_dtype})")
