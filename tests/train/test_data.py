@@ -161,6 +161,7 @@ def test_hf_tokenizer_packs_documents_with_eos_between_them_from_jsonl_json_and_
     expected = np.concatenate([np.append(tok.encode(t.encode()), tok.eos_id) for t in train_docs])
     np.testing.assert_array_equal(np.asarray(corpus.train.tokens), expected)
     assert isinstance(corpus.train.tokens, np.memmap)  # read back from the cache
+    assert corpus.train.tokens.dtype == np.uint16  # ids below 2**16: two bytes a token on disk
     again = load_corpus(cfg, tok, cache_dir=tmp_path / "cache")
     np.testing.assert_array_equal(np.asarray(again.val.tokens), np.append(tok.encode(texts[11].encode()), 0))
 

@@ -249,7 +249,9 @@ def _write_cache(directory: Path, corpus: Corpus) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     for split in ("train", "val"):
         tmp = directory / f".{split}.{os.getpid()}.npy"
-        np.save(tmp, getattr(corpus, split).tokens)
+        tokens = getattr(corpus, split).tokens
+        small = len(tokens) == 0 or int(tokens.max()) < 2**16
+        np.save(tmp, tokens.astype(np.uint16) if small else tokens)  # half the disk for byte/small vocabs
         os.replace(tmp, directory / f"{split}.npy")
     info = {
         "num_documents": corpus.num_documents,
