@@ -153,6 +153,7 @@ def _megatron_and_ddp() -> dict:
         "dp_cp": _groups(ctx.dp_cp_mesh())[0],
         "dp_cp_name": ctx.dp_cp_mesh().mesh_dim_names,
         "ddp": (ddp.device_mesh, ddp.dp_size),
+        "ddp_dp": (_groups(ddp.dp_mesh())[0], _groups(ddp.dp_cp_mesh())[0], ddp.dp_mesh().get_local_rank()),
         "device_type": default_device_type(),
     }
 
@@ -163,6 +164,7 @@ def test_megatron_mesh_dp_cp_tp_and_ddp_without_mesh():
         assert r["dp"] == [rank % 2, rank % 2 + 2]
         assert r["dp_cp"] == [0, 1, 2, 3] and r["dp_cp_name"] == ("dp_cp",)
         assert r["ddp"] == (None, None) and r["device_type"] == "cpu"
+        assert r["ddp_dp"] == ([0, 1, 2, 3], [0, 1, 2, 3], rank)  # a loop's data ranks under DDP: every rank
 
 
 def _custom_rank_order(ranks: list[int]) -> dict:

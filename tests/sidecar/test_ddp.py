@@ -80,3 +80,19 @@ def test_scope_without_matching_layers_checkpoints_nothing() -> None:
 def test_wrong_config_type() -> None:
     with pytest.raises(TypeError, match="wrap_ddp needs a DDPConfig, got dict"):
         wrap_ddp(nn.Linear(2, 2), MeshContext(device_mesh=None, strategy_config={}))
+
+
+def _meta_model_error() -> str:
+    with torch.device("meta"):
+        model = DenseDecoder(DecoderConfig(vocab_size=64))
+    try:
+        parallelize_model(model, MeshContext.build(DDPConfig()))
+    except ValueError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_a_meta_model_is_refused_on_every_rank_naming_the_fix() -> None:
+    """DDP's wrap broadcasts real weights: a meta model used to fail in torch ("Cannot copy out of meta tensor")."""
+    for message in run_on_ranks(_meta_model_error, 2):
+        assert "are on the meta device; fill them before parallelize_model" in message, message

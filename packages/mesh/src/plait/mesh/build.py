@@ -24,6 +24,7 @@ __all__ = [
     "MeshPlan",
     "build_device_mesh",
     "build_moe_mesh",
+    "build_planned_ddp_mesh",
     "build_planned_device_mesh",
     "build_planned_moe_mesh",
     "default_device_type",
@@ -188,6 +189,13 @@ def build_planned_device_mesh(plan: MeshPlan, device_type: str | None = None) ->
     for name, parts in plan.flattened:
         mesh[parts]._flatten(name)
     return mesh
+
+
+def build_planned_ddp_mesh(plan: MeshPlan, device_type: str | None = None) -> DeviceMesh:
+    """The 1-D ``dp`` mesh over every rank of a DDP plan, for data loading and loss reduction (a collective)."""
+    _check_process_group(plan.ranks)
+    ranks = torch.tensor(plan.ranks, dtype=torch.int)
+    return DeviceMesh(device_type or default_device_type(), ranks, mesh_dim_names=("dp",))
 
 
 def build_planned_moe_mesh(plan: MeshPlan, device_type: str | None = None) -> DeviceMesh | None:

@@ -7,12 +7,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait.mesh.axes import validate_axis_names
-from plait.mesh.build import build_planned_device_mesh, build_planned_moe_mesh, plan_meshes
-from plait.mesh.configs import FSDP2Config, MoEConfig
+from plait.mesh.build import (
+    build_planned_ddp_mesh,
+    build_planned_device_mesh,
+    build_planned_moe_mesh,
+    plan_meshes,
+)
+from plait.mesh.configs import DDPConfig, FSDP2Config, MoEConfig
 from plait.mesh.consistency import check_ranks_agree, describe_arguments
 from plait.mesh.normalize import (
     ActivationCheckpointing,
@@ -186,7 +192,7 @@ class MeshContext:
             ),
         )
         plan = plan_meshes(strategy_config, sizes, world_size=world_size, ranks=ranks)
-        return cls(
+        ctx = cls(
             device_mesh=build_planned_device_mesh(plan, device_type),
             moe_mesh=build_planned_moe_mesh(plan, device_type),
             strategy_config=strategy_config,
@@ -194,6 +200,10 @@ class MeshContext:
             activation_checkpointing=activation_checkpointing,
             reapply_trainability=reapply_trainability,
         )
+        if isinstance(strategy_config, DDPConfig) and dist.is_initialized():
+            # No root mesh, yet a loop needs its data-parallel ranks (a plan without a group has none).
+            ctx._views["dp"] = ctx._views["dp_cp"] = build_planned_ddp_mesh(plan, device_type)
+        return ctx
 
     @classmethod
     def from_meshes(
@@ -292,7 +302,7 @@ class MeshContext:
         return self._view("tp", "'tp'")
 
     def dp_mesh(self) -> DeviceMesh:
-        """All data-parallel ranks, flattened ``(dp_replicate, dp_shard)`` (for data loading)."""
+        """All data-parallel ranks, flattened ``(dp_replicate, dp_shard)``; every rank under DDP (for data loading)."""
         return self._view("dp", "data-parallel ('dp')")
 
     def dp_cp_mesh(self) -> DeviceMesh:

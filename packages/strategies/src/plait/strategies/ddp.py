@@ -30,13 +30,21 @@ def wrap_ddp(model: nn.Module, mesh_context: MeshContext) -> nn.Module:
 
     Raises:
         TypeError: the strategy config is not a :class:`DDPConfig`.
-        ValueError: the default process group is not initialised.
+        ValueError: the default process group is not initialised, or ``model`` has parameters on
+            the meta device (DDP broadcasts rank 0's weights when it wraps, so they must exist).
     """
     config = mesh_context.strategy_config
     if not isinstance(config, DDPConfig):
         raise TypeError(f"wrap_ddp needs a DDPConfig, got {type(config).__name__}")
     if not dist.is_initialized():
         raise ValueError("DDP needs an initialised default process group; call plait.mesh.init_distributed()")
+    meta = [name for name, param in model.named_parameters() if param.is_meta]
+    if meta:
+        raise ValueError(
+            f"DDP broadcasts rank 0's weights when it wraps, but {len(meta)} parameters (e.g. {meta[0]!r}) "
+            "are on the meta device; fill them before parallelize_model (plait.mesh.materialize(model, "
+            "seed=..., device=...) then parallelize_model), or use FSDP2Config, which shards meta models"
+        )
     device = _device()
     model.to(device)
     if dist.get_world_size() == 1:

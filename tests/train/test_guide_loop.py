@@ -1,0 +1,57 @@
+"""The guide's loop (docs/examples/loop.py) runs as the guide says on each of its contexts, on 4 ranks."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from plait.mesh import materialize
+
+LOOP = Path(__file__).resolve().parents[2] / "docs" / "examples" / "loop.py"
+CONTEXTS = ["fsdp2_tp", "fsdp2", "hsdp", "ddp"]
+
+
+def _example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("guide_loop", LOOP)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _reference_first_loss(example: ModuleType) -> float:
+    """The unsharded model's loss on the loop's first global batch (one process, no mesh)."""
+    model = materialize(example.LlamaForCausalLM(example.CONFIG), seed=0)
+    batch = torch.randint(0, example.CONFIG.vocab_size, (8, 65), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(batch[:, :-1]).logits
+    return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+
+
+def test_the_guide_loop_trains_on_every_context_from_the_same_start(tmp_path: Path) -> None:
+    out = tmp_path / "losses.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    command += [str(LOOP), "--context", *CONTEXTS, "--steps", "3", "--save", str(tmp_path / "ckpt")]
+    done = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = json.loads(out.read_text())
+    reference = _reference_first_loss(_example())
+    for context in CONTEXTS:
+        assert len(losses[context]) == 3 and all(math.isfinite(x) for x in losses[context]), losses
+        # Step 1 is before any update: the same weights on every mesh and the same global batch.
+        assert abs(losses[context][0] - reference) <= 1e-5 * abs(reference), (
+            context,
+            losses[context],
+            reference,
+        )
+        assert (tmp_path / "ckpt" / context / ".metadata").is_file()
+    for line in (f"{c} step 3 loss" for c in CONTEXTS):
+        assert line in done.stdout, done.stdout
