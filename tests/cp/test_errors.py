@@ -6,8 +6,15 @@ import pytest
 import torch
 from torch import nn
 
-from plait.cp import apply_context_parallel, global_positions
+from plait.cp import (
+    ContextParallelAttention,
+    apply_context_parallel,
+    check_context_parallel_model,
+    cp_mesh,
+    global_positions,
+)
 from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
+from plait.models import DecoderConfig, DenseDecoder, sdpa_attention
 from plait.testing import cp_decoder, named_hf_config
 
 
@@ -60,9 +67,47 @@ def test_sliding_window_and_dropout_are_refused(fake_pg) -> None:
 def test_config_names_the_variant() -> None:
     assert FSDP2Config().cp_attention == "all_gather"
     with pytest.raises(
-        ValueError, match=r"cp_attention must be one of \['all_gather', 'ring'\], got 'ulysses'"
+        ValueError,
+        match=r"cp_attention must be one of \['all_gather', 'ring', 'all_to_all'\], got 'ulysses'",
     ):
         FSDP2Config(cp_attention="ulysses")
+
+
+def _a2a_ctx(**sizes: int) -> MeshContext:
+    return MeshContext.build(
+        FSDP2Config(mp_policy=None, cp_attention="all_to_all"), ParallelismSizes(**sizes)
+    )
+
+
+def test_all_to_all_refuses_heads_that_do_not_divide_by_cp(fake_pg) -> None:
+    """Named per module, before anything changes; the local heads are counted after TP."""
+    three_heads = DenseDecoder(DecoderConfig(num_attention_heads=3, num_key_value_heads=1, head_dim=8))
+    with fake_pg(2):
+        ctx = _a2a_ctx(cp_size=2)
+        check_context_parallel_model(three_heads)  # without a context: only the attention modules
+        for call in (check_context_parallel_model, apply_context_parallel):
+            with pytest.raises(
+                ValueError, match=r"layers\.0\.self_attn \(3 query heads, tp_size=1\): "
+            ) as err:
+                call(three_heads, ctx)
+            assert "3 local query heads (after TP) do not divide by cp_size=2" in str(err.value)
+            assert "layers.1.self_attn" in str(err.value)
+        assert all(layer.self_attn.attention_fn is sdpa_attention for layer in three_heads.model.layers)
+        check_context_parallel_model(three_heads, ctx, variant="all_gather")  # the other variants can
+    with fake_pg(8):
+        llama = cp_decoder("llama")  # 4 heads: 2 per tp rank, not divisible by cp 4
+        with pytest.raises(ValueError, match=r"\(4 query heads, tp_size=2\): .*2 local query heads"):
+            apply_context_parallel(llama, _a2a_ctx(cp_size=4, tp_size=2))
+        assert llama.config._attn_implementation == "sdpa"
+
+
+def test_all_to_all_call_refuses_heads_it_cannot_split(fake_pg) -> None:
+    """An attention_fn module whose heads the apply step cannot count is refused when called, before the exchange."""
+    with fake_pg(2):
+        attention = ContextParallelAttention(cp_mesh(_a2a_ctx(cp_size=2)), "all_to_all")
+        q = torch.zeros(1, 3, 8, 8)
+        with pytest.raises(ValueError, match=r"3 local query heads .* do not divide by cp_size=2"):
+            attention(q, q[:, :1], q[:, :1], enable_gqa=True)
 
 
 def test_forward_refuses_inputs_not_split_by_shard_sequence(fake_pg) -> None:

@@ -1,6 +1,6 @@
 """Context parallel end to end through `parallelize_model`: loss, every gradient, params after 2 SGD steps.
 
-Both variants on plait.models' decoder, HF Llama and Qwen3 (fp32, gloo). Each multi-rank body runs several configurations
+Every variant on plait.models' decoder, HF Llama and Qwen3 (fp32, gloo). Each multi-rank body runs several configurations
 so the workers are reused; the full matrix (8 ranks, the reference decoder) is in
 ``tools/bench/cp_bench.py --parity``.
 """
@@ -15,6 +15,8 @@ TWO_RANKS: list[tuple[Any, ...]] = [
     ("llama", {"cp_size": 2}, {"cp_attention": "all_gather"}),
     ("qwen3", {"cp_size": 2}, {"cp_attention": "ring"}),
     ("dense", {"cp_size": 2}, {"cp_attention": "all_gather"}),  # plait.models' attention_fn
+    ("dense", {"cp_size": 2}, {"cp_attention": "all_to_all"}),
+    ("llama", {"cp_size": 2}, {"cp_attention": "all_to_all"}),
 ]
 FOUR_RANKS: list[tuple[Any, ...]] = [
     ("dense", {"cp_size": 4}, {"cp_attention": "ring"}),
@@ -22,6 +24,15 @@ FOUR_RANKS: list[tuple[Any, ...]] = [
     ("qwen3", {"cp_size": 2}, {"cp_attention": "ring"}),  # dp_shard 2 x cp 2
     ("llama", {"cp_size": 2, "tp_size": 2}, {"cp_attention": "all_gather", "sequence_parallel": True}),
     ("dense", {"cp_size": 2, "tp_size": 2}, {"cp_attention": "ring"}, "full"),  # + activation checkpointing
+    # 4 heads / 2 KV heads over tp 2: 1 KV head per rank, repeated for cp 2; + SP and checkpointing
+    (
+        "dense",
+        {"cp_size": 2, "tp_size": 2},
+        {"cp_attention": "all_to_all", "sequence_parallel": True},
+        "full",
+    ),
+    ("llama", {"cp_size": 4}, {"cp_attention": "all_to_all"}),  # 2 KV heads repeated for cp 4
+    ("qwen3", {"cp_size": 2}, {"cp_attention": "all_to_all"}),  # dp_shard 2 x cp 2
 ]
 
 

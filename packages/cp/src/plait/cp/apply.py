@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from plait.cp.all_to_all import all_to_all_refusal
 from plait.cp.attention import ContextParallelAttention
 from plait.cp.hf import attach_hf, hf_module_refusal, hf_refusal, is_hf_model
 from plait.cp.layout import cp_mesh, global_positions
@@ -32,13 +33,19 @@ _MEDIA_TOWERS = ("visual", "vision_tower", "vision_model", "audio_tower")
 """Child names of multimodal encoders: their tokens are not sequence-sharded, so their attention must stay."""
 
 
-def check_context_parallel_model(model: nn.Module) -> None:
+def check_context_parallel_model(
+    model: nn.Module, mesh_context: MeshContext | None = None, *, variant: str | None = None
+) -> None:
     """Refuse (ValueError) a model with an attention the cp step cannot swap; changes nothing.
 
     The combinations cp does not build with (strategies, other axes, multimodal models) are refused
-    by the combination table in plait.mesh; this checks the model's own attention modules.
+    by the combination table in plait.mesh; this checks the model's own attention modules and, given
+    ``mesh_context``, that ``variant`` (default: the config's ``cp_attention``) can split their heads.
     """
-    _find_attention(model)
+    fn_modules, hf_models = _find_attention(model)
+    if mesh_context is not None and mesh_context.cp_size > 1:
+        modules = fn_modules + [m for _, mods in hf_models for m in mods]
+        _check_heads(model, modules, mesh_context, variant or mesh_context.strategy_config.cp_attention)
 
 
 def apply_context_parallel(
@@ -52,14 +59,17 @@ def apply_context_parallel(
     model would shift them across chunk boundaries) or a KV cache is refused before it runs.
 
     Raises:
-        ValueError: naming the module and the reason, for an attention this step cannot handle;
-            nothing is changed then.
+        ValueError: naming the module and the reason, for an attention this step cannot handle
+            (``all_to_all`` included: local query heads that do not divide by cp); nothing is
+            changed then.
     """
     mesh = cp_mesh(mesh_context)
     if mesh is None:
         return model
-    attention = ContextParallelAttention(mesh, variant or mesh_context.strategy_config.cp_attention)
+    variant = variant or mesh_context.strategy_config.cp_attention
+    attention = ContextParallelAttention(mesh, variant)
     fn_modules, hf_models = _find_attention(model)
+    _check_heads(model, fn_modules + [m for _, mods in hf_models for m in mods], mesh_context, variant)
     for module in fn_modules:
         module.attention_fn = attention
     for hf_model, modules in hf_models:
@@ -108,6 +118,31 @@ def _find_attention(model: nn.Module) -> tuple[list[nn.Module], list[tuple[nn.Mo
             "context parallel (cp_size > 1) cannot handle this model's attention:\n  " + "\n  ".join(problems)
         )
     return fn_modules, hf_models
+
+
+def _check_heads(model: nn.Module, modules: list[nn.Module], mesh_context: MeshContext, variant: str) -> None:
+    """Refuse, naming the modules, query heads that ``all_to_all`` cannot split over cp.
+
+    Head counts are read from ``num_heads`` (plait.models) or ``config.num_attention_heads``
+    (transformers); a module with neither is checked when it is called.
+    """
+    if variant != "all_to_all":
+        return
+    names = {id(m): n for n, m in model.named_modules()}
+    problems = []
+    for module in modules:
+        heads = getattr(module, "num_heads", None) or getattr(
+            getattr(module, "config", None), "num_attention_heads", None
+        )
+        if not isinstance(heads, int) or heads % mesh_context.tp_size:
+            continue  # unknown here, or refused by tensor parallel itself
+        why = all_to_all_refusal(heads // mesh_context.tp_size, mesh_context.cp_size)
+        if why is not None:
+            problems.append(
+                f"{names[id(module)] or '<root>'} ({heads} query heads, tp_size={mesh_context.tp_size}): {why}"
+            )
+    if problems:
+        raise ValueError("context parallel cannot split these attention heads:\n  " + "\n  ".join(problems))
 
 
 def _looks_like_attention(module: nn.Module) -> bool:

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from plait.cp.all_to_all import all_to_all_attention
 from plait.cp.variants import all_gather_attention, ring_attention
-from plait.mesh import CP_ATTENTION_VARIANTS
 
 __all__ = ["ContextParallelAttention"]
+
+_Variant = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, dist.ProcessGroup, bool, float], torch.Tensor]
+_VARIANTS: dict[str, _Variant] = {
+    "all_gather": all_gather_attention,
+    "ring": ring_attention,
+    "all_to_all": all_to_all_attention,
+}
+"""Each `FSDP2Config.cp_attention` value and its function (grouped ``[B, Hkv, G, L, D]`` queries)."""
 
 
 class ContextParallelAttention:
@@ -24,7 +34,8 @@ class ContextParallelAttention:
 
     Args:
         mesh: the 1-D ``cp`` mesh.
-        variant: ``"all_gather"`` or ``"ring"`` (see `plait.cp.variants`).
+        variant: ``"all_gather"``, ``"ring"`` (see `plait.cp.variants`) or ``"all_to_all"`` (see
+            `plait.cp.all_to_all`).
     """
 
     def __init__(self, mesh: DeviceMesh, variant: str = "all_gather") -> None:
@@ -32,10 +43,8 @@ class ContextParallelAttention:
             raise ValueError(
                 f"ContextParallelAttention needs the 1-D cp mesh, got dims {mesh.mesh_dim_names}"
             )
-        if variant not in CP_ATTENTION_VARIANTS:
-            raise ValueError(
-                f"cp attention variant must be one of {list(CP_ATTENTION_VARIANTS)}, got {variant!r}"
-            )
+        if variant not in _VARIANTS:
+            raise ValueError(f"cp attention variant must be one of {list(_VARIANTS)}, got {variant!r}")
         self.mesh = mesh
         self.variant = variant
 
@@ -68,9 +77,7 @@ class ContextParallelAttention:
         scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
         if not math.isfinite(scale):
             raise ValueError(f"attention scale must be finite, got {scale}")
-        group = self.mesh.get_group()
-        fn = ring_attention if self.variant == "ring" else all_gather_attention
-        return fn(q, k, v, group, bool(is_causal), scale).flatten(1, 2)
+        return _VARIANTS[self.variant](q, k, v, self.mesh.get_group(), bool(is_causal), scale).flatten(1, 2)
 
 
 def _grouped(

@@ -27,7 +27,7 @@ __all__ = [
     "default_mp_policy",
 ]
 
-CP_ATTENTION_VARIANTS = ("all_gather", "ring")
+CP_ATTENTION_VARIANTS = ("all_gather", "ring", "all_to_all")
 """Values of ``FSDP2Config.cp_attention``."""
 
 
@@ -117,7 +117,7 @@ class FSDP2Config(_Config):
     frozen_multimodal_sharding: str = "root"
     """Fully frozen towers/projectors: ``root`` (in the root unit), ``per_layer`` or ``replicate``."""
     cp_attention: str = "all_gather"
-    """Context-parallel attention (cp > 1): ``all_gather`` (gather K/V over cp) or ``ring`` (pass K/V round)."""
+    """Context-parallel attention (cp > 1): ``all_gather`` (gather K/V), ``ring`` (pass K/V round) or ``all_to_all`` (split heads)."""
 
     def _normalize(self) -> None:
         self._set("mp_policy", parse_mp_policy("FSDP2Config.mp_policy", self.mp_policy))

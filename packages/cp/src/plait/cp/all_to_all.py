@@ -1,0 +1,118 @@
+"""The all-to-all ("Ulysses") context-parallel attention: the heads are split over cp, not the sequence.
+
+Each cp rank holds its load-balanced part of the sequence (`plait.cp.layout`) for every head. One
+all-to-all over the cp group sends head group ``j`` of q, k and v to rank ``j``, which then holds
+every token of its ``heads / cp`` heads; the tokens arrive rank by rank (each rank's head and tail
+chunk), so they are put back in sequence order before plain SDPA runs with the whole sequence's
+causal mask. A second all-to-all returns each rank its own tokens for every head. Backward is the
+same two all-to-alls of the gradients, in reverse order.
+
+Key/value heads that do not divide by cp (GQA with fewer KV heads than cp ranks, say) are repeated,
+each ``lcm(kv_heads, cp) / kv_heads`` times, so every rank receives the KV heads its query heads
+read; autograd sums the repeats' gradients. The query heads must divide by cp.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from plait.cp.layout import global_positions
+
+
+def all_to_all_refusal(heads: int, cp_size: int) -> str | None:
+    """Why ``heads`` local query heads (after TP) cannot be split over cp, or None.
+
+    Any number of KV heads works: they are repeated up to a multiple of cp (`kv_repeats`).
+    """
+    if heads % cp_size:
+        return (
+            f"cp_attention='all_to_all' splits the query heads over cp, but {heads} local query heads "
+            f"(after TP) do not divide by cp_size={cp_size}; use cp_attention='all_gather' or 'ring', "
+            "or a cp_size that divides them"
+        )
+    return None
+
+
+def kv_repeats(kv_heads: int, cp_size: int) -> int:
+    """How many times each KV head is repeated so the KV heads divide by cp (1 when they already do)."""
+    return math.lcm(kv_heads, cp_size) // kv_heads
+
+
+class _AllToAll(torch.autograd.Function):
+    """Block ``j`` of dim 0 (``[cp, ...]``) goes to cp rank ``j``; block ``s`` of the result came from rank ``s``.
+
+    The exchange is its own transpose, so backward is the same all-to-all of the gradient.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, blocks: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _exchange(blocks, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _exchange(grad, ctx.group), None
+
+
+def _exchange(blocks: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    blocks = blocks.contiguous()
+    out = torch.empty_like(blocks)
+    dist.all_to_all_single(out, blocks, group=group)
+    return out
+
+
+def _rank_order(local_seq: int, cp_size: int, device: torch.device) -> torch.Tensor:
+    """Global position of each token of the rank-by-rank concatenation of every rank's tokens."""
+    seq = local_seq * cp_size
+    return torch.cat([global_positions(seq, rank, cp_size, device) for rank in range(cp_size)])
+
+
+def _to_heads(
+    tensors: list[torch.Tensor], group: dist.ProcessGroup, order: torch.Tensor
+) -> list[torch.Tensor]:
+    """``[B, H, L/cp, D]`` tensors (this rank's tokens, every head) -> ``[B, H/cp, L, D]`` (every token, in order).
+
+    One all-to-all carries all of them; ``order`` is `_rank_order`.
+    """
+    cp_size = dist.get_world_size(group)
+    blocks = [t.unflatten(1, (cp_size, -1)).movedim(1, 0) for t in tensors]  # [cp, B, H/cp, L/cp, D]
+    received = _AllToAll.apply(torch.cat(blocks, dim=2), group)  # dim 0: the source rank
+    gathered = received.movedim(0, 2).flatten(2, 3)  # [B, sum H/cp, L, D], rank by rank
+    in_order = gathered.index_select(2, torch.argsort(order))
+    return list(in_order.split([b.shape[2] for b in blocks], dim=1))
+
+
+def _to_sequence(out: torch.Tensor, group: dist.ProcessGroup, order: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_to_heads` for one tensor: ``[B, H/cp, L, D]`` -> ``[B, H, L/cp, D]``."""
+    cp_size = dist.get_world_size(group)
+    blocks = out.index_select(2, order).unflatten(2, (cp_size, -1)).movedim(2, 0)  # dim 0: the owner
+    received = _AllToAll.apply(blocks, group)  # dim 0: the head group
+    return received.movedim(0, 1).flatten(1, 2)
+
+
+def all_to_all_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, causal: bool, scale: float
+) -> torch.Tensor:
+    """Context-parallel attention by all-to-all (shapes as `plait.cp.variants.all_gather_attention`).
+
+    Raises:
+        ValueError: the query heads do not divide by the cp group's size (`all_to_all_refusal`).
+    """
+    cp_size = dist.get_world_size(group)
+    kv_heads, per_kv = q.shape[1], q.shape[2]
+    why = all_to_all_refusal(kv_heads * per_kv, cp_size)
+    if why is not None:
+        raise ValueError(why)
+    repeat = kv_repeats(kv_heads, cp_size)
+    k, v = (t.squeeze(2).repeat_interleave(repeat, dim=1) for t in (k, v))
+    order = _rank_order(q.shape[-2], cp_size, q.device)
+    qh, kh, vh = _to_heads([q.flatten(1, 2), k, v], group, order)
+    out = F.scaled_dot_product_attention(
+        qh, kh, vh, is_causal=causal, scale=scale, enable_gqa=qh.shape[1] != kh.shape[1]
+    )
+    return _to_sequence(out, group, order).unflatten(1, (kv_heads, per_kv))
