@@ -40,7 +40,7 @@ def _logits_of(trainer: object) -> torch.Tensor:
     return (logits.full_tensor() if hasattr(logits, "full_tensor") else logits).detach()
 
 
-def _train_and_export(run_dir: str) -> torch.Tensor:
+def _train_and_export(run_dir: str) -> tuple[torch.Tensor, str]:
     import torch.distributed as dist
 
     from plait.mesh import init_distributed
@@ -53,7 +53,7 @@ def _train_and_export(run_dir: str) -> torch.Tensor:
     trainer = Trainer(recipe, check_recipe(recipe, dist.get_world_size()), init_distributed())
     trainer.fit()
     with torch.no_grad():
-        return _logits_of(trainer)
+        return _logits_of(trainer), trainer._summary()
 
 
 def _load_pretrained(run_dir: str, export: str) -> torch.Tensor:
@@ -76,7 +76,8 @@ def _load_pretrained(run_dir: str, export: str) -> torch.Tensor:
 def test_an_hf_llama_export_loads_with_from_pretrained_and_as_pretrained_weights(tmp_path: Path):
     from transformers import AutoModelForCausalLM
 
-    trained = run_on_ranks(_train_and_export, 4, str(tmp_path / "run"))[0]
+    trained, summary = run_on_ranks(_train_and_export, 4, str(tmp_path / "run"))[0]
+    assert "weights fresh init (plait.mesh.materialize, seed 0:" in summary and "precision fp32" in summary
     export = tmp_path / "run" / "export"
     index = json.loads((export / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == {"model-00001-of-00001.safetensors"}

@@ -9,6 +9,7 @@ safetensors headers (JSON, no pickle), and a difference is a ``ValueError`` nami
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-__all__ = ["load_pretrained", "pretrained_shapes"]
+__all__ = ["check_pretrained", "load_pretrained", "pretrained_shapes"]
 
 _SHOWN = 3
 
@@ -55,10 +56,15 @@ def _storage(tensor: torch.Tensor) -> int:
     return local.untyped_storage().data_ptr()
 
 
-def _wanted(state: dict[str, Any], shapes: dict[str, list[int]], path: str | Path) -> dict[str, Any]:
-    """The entries to read; a tied weight missing from the files is filled through its twin."""
-    present = {_storage(v) for k, v in state.items() if k in shapes}
-    missing = [k for k, v in state.items() if k not in shapes and _storage(v) not in present]
+def _wanted(
+    state: dict[str, Any],
+    shapes: dict[str, list[int]],
+    path: str | Path,
+    same: Callable[[Any], int] = _storage,
+) -> dict[str, Any]:
+    """The entries to read; a tied weight missing from the files is filled through its twin (``same`` key)."""
+    present = {same(v) for k, v in state.items() if k in shapes}
+    missing = [k for k, v in state.items() if k not in shapes and same(v) not in present]
     reshaped = [k for k, v in state.items() if k in shapes and list(v.shape) != shapes[k]]
     if missing or reshaped:
         parts = []
@@ -73,6 +79,18 @@ def _wanted(state: dict[str, Any], shapes: dict[str, list[int]], path: str | Pat
             parts.append(f"shape differs: {', '.join(shown[:_SHOWN])}")
         raise ValueError(f"model.pretrained_path {str(path)!r} does not fit the model: {'; '.join(parts)}")
     return {k: v for k, v in state.items() if k in shapes}
+
+
+def check_pretrained(model: nn.Module, path: str | Path) -> None:
+    """Compare an unwrapped (e.g. meta) model's names and shapes with ``path``'s headers, reading no tensor.
+
+    The check :func:`load_pretrained` makes after parallelization, made up front (recipe checks,
+    ``validate``, ``plan``): tied parameters are recognised as the same object.
+
+    Raises:
+        ValueError: as :func:`load_pretrained`.
+    """
+    _wanted(model.state_dict(keep_vars=True), pretrained_shapes(path), path, same=id)
 
 
 def load_pretrained(model: nn.Module, path: str | Path) -> None:

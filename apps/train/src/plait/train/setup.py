@@ -28,7 +28,7 @@ from plait.train.errors import phase
 from plait.train.init import clean_fqn, materialize
 from plait.train.models import build_model
 from plait.train.pipelining import check_pipeline_recipe
-from plait.train.pretrained import load_pretrained
+from plait.train.pretrained import check_pretrained, load_pretrained
 
 __all__ = [
     "build_mesh_context",
@@ -85,6 +85,10 @@ def check_recipe(recipe: Recipe, world_size: int, *, devices: bool = True) -> St
     if devices:
         check_devices(recipe)
     config = strategy_config(recipe)
+    meta_model = build_model(recipe.model, "meta")
+    if recipe.model.pretrained_path:
+        with phase(f"model.pretrained_path {recipe.model.pretrained_path!r}"):
+            check_pretrained(meta_model, recipe.model.pretrained_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan_meshes(config, parallelism_sizes(recipe), world_size=world_size)
@@ -95,7 +99,7 @@ def check_recipe(recipe: Recipe, world_size: int, *, devices: bool = True) -> St
                 world_size, allow_pure_replication=recipe.parallel.strategy != "fsdp2"
             ),
             activation_checkpointing=recipe.parallel.activation_checkpointing,
-            features=model_features(build_model(recipe.model, "meta")),
+            features=model_features(meta_model),
             compile=recipe.parallel.compile,
         )
     )

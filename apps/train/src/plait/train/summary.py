@@ -23,6 +23,7 @@ __all__ = [
     "layout_of",
     "model_class_name",
     "pattern_of",
+    "weights_text",
 ]
 
 _INDEX = re.compile(r"\.\d+(?=\.|$)")
@@ -167,6 +168,18 @@ def describe_mesh(ctx: MeshContext, world_size: int) -> str:
     sp = getattr(ctx.strategy_config, "sequence_parallel", False) and ctx.tp_size > 1
     parts.append(f"sp={'on' if sp else 'off'} ac={ctx.activation_checkpointing or 'off'}")
     return " | ".join(parts)
+
+
+def weights_text(pretrained_path: str | None, seed: int, mixed_precision: str) -> str:
+    """Where the weights came from and the precision they train in, for the summary's model line."""
+    origin = (
+        f"pretrained {pretrained_path}"
+        if pretrained_path
+        else f"fresh init (plait.mesh.materialize, seed {seed}: normal(0, initializer_range), "
+        "residual outputs scaled by 1/sqrt(2 x layers), norms 1, biases 0; a model's own init is not used)"
+    )
+    precision = "bf16 parameters, fp32 reduce" if mixed_precision == "bf16" else "fp32"
+    return f"weights {origin} | precision {precision}"
 
 
 def compile_text(model: nn.Module) -> str:

@@ -53,7 +53,7 @@ from plait.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from plait.train.pipelining import build_pipeline
 from plait.train.runlock import lock_run_dir
 from plait.train.setup import build_mesh_context, build_parallel_model, check_recipe
-from plait.train.summary import compile_text, describe_mesh, layout_of, model_class_name
+from plait.train.summary import compile_text, describe_mesh, layout_of, model_class_name, weights_text
 from plait.train.tokenizer import load_tokenizer
 
 __all__ = ["SetupError", "Trainer", "run"]
@@ -275,6 +275,11 @@ class Trainer:
                 describe_mesh(self.ctx, self.info.world_size),
                 f"device {self.device} | backend {dist.get_backend()} | compile {compile_text(self.model)}",
                 f"model {model_class_name(self.model)} ({self.recipe.model.source}, preset {self.recipe.model.preset})",
+                weights_text(
+                    self.recipe.model.pretrained_path,
+                    self.recipe.train.seed,
+                    self.recipe.parallel.mixed_precision,
+                ),
                 layout.brief(),
                 f"data {self.recipe.data.source} (tokenizer {self.tokenizer.name}): {corpus.describe()}, "
                 f"{len(corpus.train)} train / {len(corpus.val)} val sequences of {self.recipe.data.seq_len} tokens",

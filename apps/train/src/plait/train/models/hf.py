@@ -30,11 +30,13 @@ def _transformers() -> Any:
 def build_hf_model(hf_class: str, hf_config: dict[str, Any], pretrained_path: str | None = None) -> nn.Module:
     """Instantiate ``transformers.<hf_class>`` from a config (the caller picks the device context).
 
-    With ``pretrained_path`` the config is read from its ``config.json`` and ``hf_config`` updates it;
-    the weights are loaded later by the materialisation step.
+    With ``pretrained_path`` the config is its ``config.json``; ``hf_config`` may only repeat its
+    values (a different value would silently change the checkpoint's model). The weights are
+    loaded later by the materialisation step.
 
     Raises:
-        ValueError: no such class, or a config key the class's config rejects.
+        ValueError: no such class, a config key the class's config rejects, or an ``hf_config``
+            value that differs from the checkpoint's ``config.json``.
     """
     module = _transformers()
     cls = getattr(module, hf_class, None)
@@ -49,7 +51,8 @@ def build_hf_model(hf_class: str, hf_config: dict[str, Any], pretrained_path: st
         if pretrained_path is not None:
             if not (Path(pretrained_path) / "config.json").is_file():
                 raise ValueError(f"model.pretrained_path {pretrained_path!r} has no config.json")
-            config = config_cls.from_pretrained(pretrained_path, **hf_config)
+            config = config_cls.from_pretrained(pretrained_path)
+            _check_no_override(config, hf_config, pretrained_path)
         else:
             config = config_cls(**hf_config)
     except TypeError as err:
@@ -75,6 +78,22 @@ def _config_keys(config_cls: type) -> set[str]:
             }
     keys |= set(getattr(config_cls, "attribute_map", {}) or {})
     return (keys | _CONFIG_KWARGS) - {"self"}
+
+
+def _check_no_override(config: Any, hf_config: dict[str, Any], pretrained_path: str) -> None:
+    """Refuse ``hf_config`` values that differ from the checkpoint's ``config.json``, naming them."""
+    changed = [
+        f"{key}: {value!r} in the recipe vs {getattr(config, key, None)!r} in config.json"
+        for key, value in hf_config.items()
+        if getattr(config, key, None) != value
+    ]
+    if changed:
+        more = f" (+{len(changed) - 3} more)" if len(changed) > 3 else ""
+        raise ValueError(
+            f"model.hf_config would override model.pretrained_path {pretrained_path!r}'s config.json: "
+            f"{'; '.join(changed[:3])}{more}; drop those keys (--set 'model.hf_config={{}}' uses the "
+            "checkpoint's config as it is)"
+        )
 
 
 def _check_config_keys(config_cls: type, hf_config: dict[str, Any]) -> None:
