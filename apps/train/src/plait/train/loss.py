@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-__all__ = ["IGNORE_INDEX", "is_vocab_sharded", "loss_context", "token_loss_sum"]
+from plait.sidecar import chunked_loss, chunked_loss_sum
+
+__all__ = ["IGNORE_INDEX", "TokenLoss", "is_vocab_sharded", "loss_context", "token_loss_sum"]
 
 IGNORE_INDEX = -100
 """Label value that contributes no loss (padding, masked positions)."""
@@ -34,3 +39,30 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
     )
+
+
+@dataclass(frozen=True)
+class TokenLoss:
+    """A micro-batch's token-loss sum from the model's full logits, or chunked (``train.loss``)."""
+
+    model: nn.Module
+    chunked: bool
+    chunk_tokens: int
+
+    def __call__(
+        self, forward: Callable[[], torch.Tensor], labels: torch.Tensor, scale: float | None
+    ) -> torch.Tensor:
+        """The sum over ``labels`` of ``forward()``'s loss; back-propagated times ``scale`` unless None."""
+        if self.chunked:
+            with chunked_loss(self.model, labels, chunk_tokens=self.chunk_tokens, ignore_index=IGNORE_INDEX):
+                losses = forward()  # the model's output: per-token losses in place of logits
+            total = chunked_loss_sum(losses, labels)
+            if scale is not None:
+                (total * scale).backward()
+            return total
+        logits = forward()
+        with loss_context(logits):  # loss parallel covers the backward too
+            total = token_loss_sum(logits, labels)
+            if scale is not None:
+                (total * scale).backward()
+        return total

@@ -21,7 +21,7 @@ from plait.mesh import (
     plan_meshes,
     strategy_config_from_dict,
 )
-from plait.sidecar import model_features, parallelize_model
+from plait.sidecar import check_chunked_loss_model, model_features, parallelize_model
 from plait.train.checks import check_data, check_devices, check_vocabulary
 from plait.train.config import Recipe
 from plait.train.errors import phase
@@ -110,9 +110,28 @@ def check_recipe(recipe: Recipe, world_size: int, *, devices: bool = True) -> St
             f"got model.source {recipe.model.source!r}"
         )
     _check_sequence_shards(recipe, config)
+    _check_loss(recipe, meta_model)
     check_pipeline_recipe(recipe)
     check_vocabulary(recipe, check_data(recipe))
     return config
+
+
+def _check_loss(recipe: Recipe, meta_model: nn.Module) -> None:
+    """Refuse ``train.loss: chunked`` where it is not built: pipeline stages, Megatron-FSDP, the model."""
+    if recipe.train.loss != "chunked":
+        return
+    p = recipe.parallel
+    if p.pp_size > 1:
+        raise ValueError(
+            f"train.loss 'chunked' with parallel.pp_size {p.pp_size} is not supported (the pipeline's last "
+            "stage takes the loss of whole logits); use train.loss: full"
+        )
+    if p.strategy not in ("fsdp2", "ddp"):
+        raise ValueError(
+            f"train.loss 'chunked' with parallel.strategy {p.strategy!r} is not supported (tested under "
+            "fsdp2 and ddp); use train.loss: full"
+        )
+    check_chunked_loss_model(meta_model)
 
 
 def _check_sequence_shards(recipe: Recipe, config: StrategyConfig) -> None:

@@ -46,7 +46,7 @@ from plait.train.errors import Stopped
 from plait.train.export import export_model
 from plait.train.integrity import check_finite
 from plait.train.lifecycle import RankLifecycle
-from plait.train.loss import IGNORE_INDEX, loss_context, token_loss_sum
+from plait.train.loss import IGNORE_INDEX, TokenLoss, token_loss_sum
 from plait.train.metrics import MetricsLogger, flops_per_token, memory_mib, peak_tflops, throughput
 from plait.train.models import hf_logits
 from plait.train.optim import build_optimizer, build_scheduler, clip_grad_norm
@@ -83,6 +83,9 @@ class Trainer:
             self.model = build_parallel_model(recipe, self.ctx, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, recipe.optim)
+        self.token_loss = TokenLoss(
+            self.model, recipe.train.loss == "chunked", recipe.train.loss_chunk_tokens
+        )
         self.scheduler = build_scheduler(self.optimizer, recipe.optim, recipe.train.steps)
         self._init_data_parallel()
         self.tokenizer = load_tokenizer(recipe.data.tokenizer, recipe.data.eos_token)
@@ -181,10 +184,7 @@ class Trainer:
                 loss_sum += self._pipeline_backward(batch, scale)
                 continue
             with self._gradient_sync(i == len(batches) - 1):
-                logits = self._logits(batch)
-                with loss_context(logits):
-                    token_loss = token_loss_sum(logits, batch["labels"])
-                    (token_loss * scale).backward()
+                token_loss = self.token_loss(lambda b=batch: self._logits(b), batch["labels"], scale)
             loss_sum += _scalar(token_loss.detach())
         loss = float(self._all_reduce(loss_sum)) / max(global_tokens, 1.0)
         pp_group = self.pipe.pp_group if self.pipe is not None else None
@@ -236,9 +236,7 @@ class Trainer:
                 totals[0] += float(self.pipe.evaluate(batch["input_ids"], batch["labels"]))
                 totals[1] += float((batch["labels"] != IGNORE_INDEX).sum())
                 continue
-            logits = self._logits(batch)
-            with loss_context(logits):
-                totals[0] += _scalar(token_loss_sum(logits, batch["labels"]))
+            totals[0] += _scalar(self.token_loss(lambda b=batch: self._logits(b), batch["labels"], None))
             totals[1] += float((batch["labels"] != IGNORE_INDEX).sum())
         totals = self._all_reduce(totals)
         return float(totals[0] / totals[1].clamp_min(1.0))

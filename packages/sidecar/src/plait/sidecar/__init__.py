@@ -1,5 +1,11 @@
-"""ModelParallelizer sidecars, the plan, resolution and compile: parallelize_model."""
+"""ModelParallelizer sidecars, the plan, resolution and compile: parallelize_model; the chunked loss."""
 
+from plait.sidecar.chunked_loss import (
+    check_chunked_loss_model,
+    chunked_linear_cross_entropy,
+    chunked_loss,
+    chunked_loss_sum,
+)
 from plait.sidecar.compile import compile_layers, compile_parallelized_model
 from plait.sidecar.parallelizer import ModelParallelizer
 from plait.sidecar.plan import ParallelPlan, compile_requested, model_features, plan_parallelism
@@ -13,6 +19,10 @@ from plait.sidecar.resolution import (
 __all__ = [
     "ModelParallelizer",
     "ParallelPlan",
+    "check_chunked_loss_model",
+    "chunked_linear_cross_entropy",
+    "chunked_loss",
+    "chunked_loss_sum",
     "compile_layers",
     "compile_parallelized_model",
     "compile_requested",
