@@ -50,13 +50,23 @@ def test_unknown_attention_is_refused_by_name(fake_pg) -> None:
             apply_context_parallel(nn.Linear(2, 2), _ctx())
 
 
-def test_sliding_window_and_dropout_are_refused(fake_pg) -> None:
+def test_a_window_the_attention_call_does_not_carry_and_dropout_are_refused(fake_pg) -> None:
+    """Qwen3's sliding window reaches cp (passed as sliding_window=); a forward that leaves it to the mask does not."""
     from transformers import Qwen3ForCausalLM
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+    class MaskOnlyAttention(Qwen3Attention):
+        def forward(self, *args, **kwargs):  # the window would live in the mask alone
+            return super().forward(*args, **kwargs)
 
     with fake_pg(2):
-        config = named_hf_config("qwen3_sliding_window")
-        with pytest.raises(ValueError, match="sliding-window attention"):
-            apply_context_parallel(Qwen3ForCausalLM(config), _ctx())
+        apply_context_parallel(Qwen3ForCausalLM(named_hf_config("qwen3_sliding_window")), _ctx())
+        model = Qwen3ForCausalLM(named_hf_config("qwen3_sliding_window"))
+        model.model.layers[1].self_attn.__class__ = MaskOnlyAttention
+        with pytest.raises(
+            ValueError, match=r"layers\.1\.self_attn: MaskOnlyAttention has window but its forward"
+        ):
+            apply_context_parallel(model, _ctx())
         llama = cp_decoder("llama")
         llama.config.attention_dropout = 0.1
         with pytest.raises(ValueError, match=r"attention_dropout=0\.1"):

@@ -1,6 +1,8 @@
 """Context parallel end to end through `parallelize_model`: loss, every gradient, params after 2 SGD steps.
 
-Every variant on plait.models' decoder, HF Llama and Qwen3 (fp32, gloo). Each multi-rank body runs several configurations
+Every variant on plait.models' decoder, HF Llama and Qwen3, and on the families with sliding
+windows (Mistral; Gemma 2 with soft-capping and mixed local/global layers; GPT-OSS with sinks and
+mixed layers) (fp32, gloo). Each multi-rank body runs several configurations
 so the workers are reused; the full matrix (8 ranks, the reference decoder) is in
 ``tools/bench/cp_bench.py --parity``.
 """
@@ -17,6 +19,11 @@ TWO_RANKS: list[tuple[Any, ...]] = [
     ("dense", {"cp_size": 2}, {"cp_attention": "all_gather"}),  # plait.models' attention_fn
     ("dense", {"cp_size": 2}, {"cp_attention": "all_to_all"}),
     ("llama", {"cp_size": 2}, {"cp_attention": "all_to_all"}),
+]
+FEATURES: list[tuple[Any, ...]] = [
+    ("mistral", {"cp_size": 2}, {"cp_attention": "ring"}),
+    ("gemma2", {"cp_size": 2}, {"cp_attention": "all_gather"}),
+    ("gpt_oss", {"cp_size": 2}, {"cp_attention": "all_to_all"}),
 ]
 FOUR_RANKS: list[tuple[Any, ...]] = [
     ("dense", {"cp_size": 4}, {"cp_attention": "ring"}),
@@ -57,3 +64,7 @@ def test_cp2_both_variants_hf() -> None:
 
 def test_cp4_and_with_fsdp_tp_sp_ac() -> None:
     _check(FOUR_RANKS, 4)
+
+
+def test_cp2_sliding_windows_softcaps_and_sinks() -> None:
+    _check(FEATURES, 2)

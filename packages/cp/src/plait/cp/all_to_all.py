@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from plait.cp.blocks import FULL, Features, masked_scores
 from plait.cp.layout import global_positions
 
 
@@ -95,8 +96,43 @@ def _to_sequence(out: torch.Tensor, group: dist.ProcessGroup, order: torch.Tenso
     return received.movedim(0, 1).flatten(1, 2)
 
 
+def _whole_sequence_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    features: Features,
+    scale: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention over the whole sequence (``[B, H, L, D]``; ``sinks``: ``[H]`` or None).
+
+    Plain causal / full attention goes to SDPA; a window, soft-capping or sinks are computed by
+    hand (scores materialised, as CPU SDPA does; autograd differentiates them).
+    """
+    if features.window is None and features.softcap is None and sinks is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=features.causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    mode = 0 if features.causal else FULL  # one chunk: the whole sequence
+    s = masked_scores(q, k, scale, mode, features)
+    if sinks is None:
+        p = torch.softmax(s, dim=-1)
+    else:
+        sink = sinks.float()[None, :, None, None].expand(*s.shape[:-1], 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(p, v.float()).to(q.dtype)
+
+
 def all_to_all_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    features: Features,
+    scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Context-parallel attention by all-to-all (shapes as `plait.cp.variants.all_gather_attention`).
 
@@ -112,7 +148,6 @@ def all_to_all_attention(
     k, v = (t.squeeze(2).repeat_interleave(repeat, dim=1) for t in (k, v))
     order = _rank_order(q.shape[-2], cp_size, q.device)
     qh, kh, vh = _to_heads([q.flatten(1, 2), k, v], group, order)
-    out = F.scaled_dot_product_attention(
-        qh, kh, vh, is_causal=causal, scale=scale, enable_gqa=qh.shape[1] != kh.shape[1]
-    )
+    local_sinks = None if sinks is None else sinks.flatten().chunk(cp_size)[dist.get_rank(group)]
+    out = _whole_sequence_attention(qh, kh, vh, features, scale, local_sinks)
     return _to_sequence(out, group, order).unflatten(1, (kv_heads, per_kv))

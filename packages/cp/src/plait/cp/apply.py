@@ -6,8 +6,9 @@ Two kinds of attention are handled, without changing a model class:
   `ContextParallelAttention`;
 - a transformers model that dispatches through ``AttentionInterface``: switched to ``"plait_cp"``.
 Anything else that looks like attention (``nn.MultiheadAttention``, a class named ``*Attention``
-neither of those reaches, sliding windows, soft-capping) is refused by name before anything is
-changed and before any collective, identically on every rank.
+neither of those reaches, a window, soft-cap or sinks a transformers module does not pass to its
+attention function, attention dropout) is refused by name before anything is changed and before any
+collective, identically on every rank.
 """
 
 from __future__ import annotations

@@ -6,15 +6,16 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from plait.cp.all_to_all import all_to_all_attention
+from plait.cp.blocks import Features
 from plait.cp.variants import all_gather_attention, ring_attention
 
 __all__ = ["ContextParallelAttention"]
 
-_Variant = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, dist.ProcessGroup, bool, float], torch.Tensor]
+_Variant = Callable[..., torch.Tensor]
 _VARIANTS: dict[str, _Variant] = {
     "all_gather": all_gather_attention,
     "ring": ring_attention,
@@ -63,6 +64,9 @@ class ContextParallelAttention:
         is_causal: bool = False,
         scale: float | None = None,
         enable_gqa: bool = False,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if attn_mask is not None:
             raise ValueError(
@@ -77,7 +81,24 @@ class ContextParallelAttention:
         scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
         if not math.isfinite(scale):
             raise ValueError(f"attention scale must be finite, got {scale}")
-        return _VARIANTS[self.variant](q, k, v, self.mesh.get_group(), bool(is_causal), scale).flatten(1, 2)
+        features = Features(bool(is_causal), window, softcap)
+        grouped_sinks = _grouped_sinks(sinks, q.shape[1], q.shape[2])
+        variant = _VARIANTS[self.variant]
+        return variant(q, k, v, self.mesh.get_group(), features, scale, grouped_sinks).flatten(1, 2)
+
+
+def _grouped_sinks(sinks: torch.Tensor | None, kv_heads: int, per_kv: int) -> torch.Tensor | None:
+    """``[Hkv, G]`` sinks from one logit per (local) query head."""
+    if sinks is None:
+        return None
+    if isinstance(sinks, DTensor):
+        sinks = sinks.to_local()  # TP shards the heads: this rank's
+    if sinks.shape != (kv_heads * per_kv,):
+        raise ValueError(
+            f"attention sinks must hold one logit per query head ({kv_heads * per_kv}), got shape "
+            f"{tuple(sinks.shape)}"
+        )
+    return sinks.view(kv_heads, per_kv)
 
 
 def _grouped(

@@ -8,6 +8,7 @@ class is changed. transformers is imported lazily: plait-cp does not depend on i
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -38,13 +39,11 @@ def hf_refusal(model: nn.Module) -> str | None:
     if any(getattr(config, key, None) is not None for key in ("vision_config", "audio_config")):
         return f"{name} is multimodal: media tokens spliced into the sequence are not context-parallel yet"
     text = getattr(config, "text_config", None) or config
-    if "sliding_attention" in (getattr(text, "layer_types", None) or ()) or getattr(
-        text, "use_sliding_window", False
-    ):
-        return f"{name} uses sliding-window attention (config.layer_types / use_sliding_window), not built under cp"
-    for key in ("attn_logit_softcapping", "sliding_window_pattern"):
-        if getattr(text, key, None):
-            return f"{name} sets config.{key}={getattr(text, key)!r}, which cp attention does not implement"
+    if getattr(text, "sliding_window_pattern", None) and not getattr(text, "layer_types", None):
+        return (
+            f"{name} sets config.sliding_window_pattern={text.sliding_window_pattern!r} without "
+            "config.layer_types; cp cannot tell which layers slide"
+        )
     if getattr(text, "attention_dropout", 0.0):
         return (
             f"{name} has attention_dropout={text.attention_dropout}; cp attention does not implement dropout"
@@ -52,11 +51,44 @@ def hf_refusal(model: nn.Module) -> str | None:
     return None
 
 
+_FEATURE_KWARGS = {"sliding_window": "window", "softcap": "softcap", "s_aux": "sinks"}
+"""The attention-function keywords of transformers' attention modules cp honours, and its own names."""
+
+
 def hf_module_refusal(module: nn.Module) -> str | None:
-    """Why one HF attention module cannot be handled (a per-layer sliding window), or None."""
-    if getattr(module, "sliding_window", None) is not None:
-        return f"sliding_window={module.sliding_window} (sliding-window attention is not built under cp)"
+    """Why one HF attention module cannot be handled, or None.
+
+    A window, soft-cap or sinks reach cp attention only as the keyword the module passes to its
+    attention function; a module that has one but whose ``forward`` does not pass it (the mask alone
+    would carry a window cp does not see) is refused.
+    """
+    config = getattr(module, "config", None)
+    has = {
+        "sliding_window": getattr(module, "sliding_window", None) is not None
+        or _slides(getattr(config, "text_config", None) or config),
+        "softcap": bool(getattr(config, "attn_logit_softcapping", None)),
+        "s_aux": getattr(module, "sinks", None) is not None,
+    }
+    source = _forward_source(type(module))
+    for keyword, present in has.items():
+        if present and f"{keyword}=" not in source:
+            return (
+                f"{type(module).__name__} has {_FEATURE_KWARGS[keyword]} but its forward does not pass "
+                f"{keyword}= to the attention function; cp attention cannot see it"
+            )
     return None
+
+
+def _slides(config: Any) -> bool:
+    layer_types = getattr(config, "layer_types", None) or ()
+    return "sliding_attention" in layer_types or bool(getattr(config, "use_sliding_window", False))
+
+
+def _forward_source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return ""
 
 
 def attach_hf(
@@ -94,13 +126,19 @@ def _hf_attention(
             f"{type(module).__name__} runs attn_implementation {ATTN_IMPLEMENTATION!r} but was not prepared "
             "by plait.cp.apply_context_parallel"
         )
-    for key_name in ("sliding_window", "softcap", "s_aux"):
-        if kwargs.get(key_name) is not None:
-            raise ValueError(f"{type(module).__name__}: cp attention does not implement {key_name}")
+    features = {ours: kwargs.get(theirs) for theirs, ours in _FEATURE_KWARGS.items()}
     if is_causal is None:
         config = getattr(module, "config", None)
         is_causal = getattr(module, "is_causal", True) and getattr(config, "is_causal", True)
     out = attention(
-        query, key, value, attention_mask, dropout, is_causal=is_causal, scale=scaling, enable_gqa=True
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout,
+        is_causal=is_causal,
+        scale=scaling,
+        enable_gqa=True,
+        **features,
     )
     return out.transpose(1, 2).contiguous(), None

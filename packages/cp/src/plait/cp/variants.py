@@ -15,29 +15,46 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait.cp.blocks import SKIP, backward_pair, forward_pair, merge, pair_mode, split_chunks
+from plait.cp.blocks import (
+    SKIP,
+    Features,
+    Mode,
+    add_sinks,
+    backward_pair,
+    forward_pair,
+    merge,
+    pair_mode,
+    sinks_grad,
+    split_chunks,
+)
 from plait.cp.layout import chunk_ids
 
-Pairs = list[tuple[int, int, str]]
+Pairs = list[tuple[int, int, Mode]]
 """(local query chunk 0/1, key chunk 0/1 of the source rank, mode) triples that are not skipped."""
 
 
-def _pairs(rank: int, source: int, cp_size: int, causal: bool) -> Pairs:
+def _pairs(rank: int, source: int, cp_size: int, chunk_len: int, features: Features) -> Pairs:
     out = []
     for qi, q_chunk in enumerate(chunk_ids(rank, cp_size)):
         for ki, kv_chunk in enumerate(chunk_ids(source, cp_size)):
-            mode = pair_mode(q_chunk, kv_chunk, causal)
+            mode = pair_mode(q_chunk, kv_chunk, chunk_len, features)
             if mode != SKIP:
                 out.append((qi, ki, mode))
     return out
 
 
 def _accumulate_forward(
-    acc: list[Any], q: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor, pairs: Pairs, scale: float
+    acc: list[Any],
+    q: list[torch.Tensor],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pairs: Pairs,
+    scale: float,
+    features: Features,
 ) -> None:
     ks, vs = split_chunks(k, 2), split_chunks(v, 2)
     for qi, ki, mode in pairs:
-        acc[qi] = merge(*acc[qi], *forward_pair(q[qi], ks[ki], vs[ki], scale, mode))
+        acc[qi] = merge(*acc[qi], *forward_pair(q[qi], ks[ki], vs[ki], scale, mode, features))
 
 
 def _accumulate_backward(
@@ -49,20 +66,36 @@ def _accumulate_backward(
     dv: torch.Tensor,
     pairs: Pairs,
     scale: float,
+    features: Features,
 ) -> None:
     q, grad_out, lse, delta = saved
     ks, vs, dks, dvs = split_chunks(k, 2), split_chunks(v, 2), split_chunks(dk, 2), split_chunks(dv, 2)
     for qi, ki, mode in pairs:
-        gq, gk, gv = backward_pair(q[qi], ks[ki], vs[ki], grad_out[qi], lse[qi], delta[qi], scale, mode)
+        gq, gk, gv = backward_pair(
+            q[qi], ks[ki], vs[ki], grad_out[qi], lse[qi], delta[qi], scale, mode, features
+        )
         dq[qi] += gq
         dks[ki] += gk
         dvs[ki] += gv
 
 
-def _finish(acc: list[Any], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _finish(
+    acc: list[Any], dtype: torch.dtype, sinks: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.cat([a[0] for a in acc], dim=-2)
     lse = torch.cat([a[1] for a in acc], dim=-1)
+    if sinks is not None:
+        out, lse = add_sinks(out, lse, sinks)
     return out.to(dtype), lse
+
+
+def _sinks_grad(
+    sinks: torch.Tensor | None, lse: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor
+) -> torch.Tensor | None:
+    if sinks is None:
+        return None
+    delta = (grad_out.float() * out.float()).sum(dim=-1)
+    return sinks_grad(sinks, lse, delta).to(sinks.dtype)
 
 
 def _saved_chunks(
@@ -100,31 +133,39 @@ class _GatheredAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, q: torch.Tensor, kv_all: torch.Tensor, rank: int, causal: bool, scale: float
+        ctx: Any,
+        q: torch.Tensor,
+        kv_all: torch.Tensor,
+        sinks: torch.Tensor | None,
+        rank: int,
+        features: Features,
+        scale: float,
     ) -> torch.Tensor:
-        cp_size = kv_all.shape[0]
+        cp_size, chunk_len = kv_all.shape[0], q.shape[-2] // 2
         qs, acc = split_chunks(q, 2), [(None, None), (None, None)]
         for source in range(cp_size):
-            _accumulate_forward(
-                acc, qs, kv_all[source, 0], kv_all[source, 1], _pairs(rank, source, cp_size, causal), scale
-            )
-        out, lse = _finish(acc, q.dtype)
-        ctx.save_for_backward(q, kv_all, out, lse)
-        ctx.rank, ctx.causal, ctx.scale = rank, causal, scale
+            pairs = _pairs(rank, source, cp_size, chunk_len, features)
+            _accumulate_forward(acc, qs, kv_all[source, 0], kv_all[source, 1], pairs, scale, features)
+        out, lse = _finish(acc, q.dtype, sinks)
+        ctx.save_for_backward(q, kv_all, out, lse, sinks)
+        ctx.rank, ctx.features, ctx.scale = rank, features, scale
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, kv_all, out, lse = ctx.saved_tensors
+        q, kv_all, out, lse, sinks = ctx.saved_tensors
         saved = _saved_chunks(q, out, lse, grad_out)
-        cp_size = kv_all.shape[0]
+        cp_size, chunk_len = kv_all.shape[0], q.shape[-2] // 2
         dq = [torch.zeros_like(c, dtype=torch.float32) for c in saved[0]]
         dkv = torch.zeros_like(kv_all, dtype=torch.float32)
         for source in range(cp_size):
-            pairs = _pairs(ctx.rank, source, cp_size, ctx.causal)
+            pairs = _pairs(ctx.rank, source, cp_size, chunk_len, ctx.features)
             k, v = kv_all[source, 0], kv_all[source, 1]
-            _accumulate_backward(saved, k, v, dq, dkv[source, 0], dkv[source, 1], pairs, ctx.scale)
-        return torch.cat(dq, dim=-2).to(q.dtype), dkv.to(kv_all.dtype), None, None, None
+            _accumulate_backward(
+                saved, k, v, dq, dkv[source, 0], dkv[source, 1], pairs, ctx.scale, ctx.features
+            )
+        d_sinks = _sinks_grad(sinks, lse, out, grad_out)
+        return torch.cat(dq, dim=-2).to(q.dtype), dkv.to(kv_all.dtype), d_sinks, None, None, None
 
 
 class _Shift:
@@ -155,52 +196,71 @@ class _RingAttention(torch.autograd.Function):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        sinks: torch.Tensor | None,
         group: dist.ProcessGroup,
-        causal: bool,
+        features: Features,
         scale: float,
     ) -> torch.Tensor:
-        cp_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        cp_size, rank, chunk_len = dist.get_world_size(group), dist.get_rank(group), q.shape[-2] // 2
         qs, acc, kv = split_chunks(q, 2), [(None, None), (None, None)], (k, v)
         for step in range(cp_size):
             hop = _Shift(kv, group, tag=0) if step < cp_size - 1 else None
-            pairs = _pairs(rank, (rank - step) % cp_size, cp_size, causal)
-            _accumulate_forward(acc, qs, kv[0], kv[1], pairs, scale)
+            pairs = _pairs(rank, (rank - step) % cp_size, cp_size, chunk_len, features)
+            _accumulate_forward(acc, qs, kv[0], kv[1], pairs, scale, features)
             if hop is not None:
                 kv = hop.wait()
-        out, lse = _finish(acc, q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        out, lse = _finish(acc, q.dtype, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.group, ctx.features, ctx.scale = group, features, scale
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         group = ctx.group
         cp_size, rank = dist.get_world_size(group), dist.get_rank(group)
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        chunk_len = q.shape[-2] // 2
         saved, kv = _saved_chunks(q, out, lse, grad_out), (k, v)
         dq = [torch.zeros_like(c, dtype=torch.float32) for c in saved[0]]
         dkv = (torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32))
         for step in range(cp_size):
             hop = _Shift(kv, group, tag=0) if step < cp_size - 1 else None
-            pairs = _pairs(rank, (rank - step) % cp_size, cp_size, ctx.causal)
-            _accumulate_backward(saved, kv[0], kv[1], dq, dkv[0], dkv[1], pairs, ctx.scale)
+            pairs = _pairs(rank, (rank - step) % cp_size, cp_size, chunk_len, ctx.features)
+            _accumulate_backward(saved, kv[0], kv[1], dq, dkv[0], dkv[1], pairs, ctx.scale, ctx.features)
             # The accumulators follow their K/V; after the last hop each is back at its owner.
             dkv = _Shift(dkv, group, tag=1).wait()
             if hop is not None:
                 kv = hop.wait()
-        return torch.cat(dq, dim=-2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        d_sinks = _sinks_grad(sinks, lse, out, grad_out)
+        dq_out = torch.cat(dq, dim=-2).to(q.dtype)
+        return dq_out, dkv[0].to(k.dtype), dkv[1].to(v.dtype), d_sinks, None, None, None
 
 
 def all_gather_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    features: Features,
+    scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Context-parallel attention by all-gathering K/V (``q``: ``[B, Hkv, G, L, D]``, ``k``/``v``: ``[B, Hkv, 1, L, D]``)."""
+    """Context-parallel attention by all-gathering K/V.
+
+    ``q``: ``[B, Hkv, G, L, D]``, ``k``/``v``: ``[B, Hkv, 1, L, D]``, ``sinks``: ``[Hkv, G]`` or None.
+    """
     kv_all = _GatherKV.apply(torch.stack([k, v]), group)
-    return _GatheredAttention.apply(q, kv_all, dist.get_rank(group), causal, scale)
+    return _GatheredAttention.apply(q, kv_all, sinks, dist.get_rank(group), features, scale)
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    features: Features,
+    scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Context-parallel attention by passing K/V round the ring (shapes as `all_gather_attention`)."""
-    return _RingAttention.apply(q, k, v, group, causal, scale)
+    return _RingAttention.apply(q, k, v, sinks, group, features, scale)

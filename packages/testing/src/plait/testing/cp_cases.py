@@ -20,19 +20,45 @@ from plait.testing.driver import Inputs, paired, run_parity, token_batches
 from plait.testing.hf_models import tiny_hf_model
 from plait.testing.sweep import case_row
 
-__all__ = ["CP_SEQ", "CP_VOCAB", "cp_decoder", "cp_local_inputs", "cp_parity"]
+__all__ = ["CP_FEATURE_MODELS", "CP_SEQ", "CP_VOCAB", "cp_decoder", "cp_local_inputs", "cp_parity"]
 
 CP_VOCAB = 96
 CP_SEQ = 16
 
 
+CP_FEATURE_MODELS: dict[str, dict[str, Any]] = {
+    "mistral": {"sliding_window": 5, "attn_implementation": "sdpa"},
+    "gemma2": {
+        "sliding_window": 5,
+        "attn_logit_softcapping": 1.0,
+        "query_pre_attn_scalar": 4,
+        "vector_noise": 0.1,
+    },
+    "gpt_oss": {
+        "sliding_window": 5,
+        "intermediate_size": 16,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "head_dim": 8,
+    },
+}
+"""Families whose attention has a window, soft-capping or sinks, with settings that make them matter at
+:data:`CP_SEQ` (a 5-token window spans chunk and rank boundaries at cp 2 and 4; soft-cap 1.0 bends
+the scores; ``query_pre_attn_scalar`` 4 makes Gemma 2's scores large)."""
+
+
 def cp_decoder(kind: str) -> nn.Module:
-    """A tiny seeded causal LM: ``llama`` / ``qwen3`` (Hugging Face, tied) or ``dense`` (plait reference)."""
+    """A tiny seeded causal LM: ``llama`` / ``qwen3`` (Hugging Face, tied), a family of
+    :data:`CP_FEATURE_MODELS`, or ``dense`` (plait reference)."""
     if kind == "dense":
         from plait.models import DecoderConfig, DenseDecoder
 
         torch.manual_seed(0)
         return DenseDecoder(DecoderConfig(vocab_size=CP_VOCAB))
+    if kind in CP_FEATURE_MODELS:
+        fields = dict(CP_FEATURE_MODELS[kind])
+        noise = fields.pop("vector_noise", 0.0)
+        return tiny_hf_model(kind, vocab_size=CP_VOCAB, vector_noise=noise, **fields)
     tied = {"tie_word_embeddings": True} if kind == "qwen3" else {}
     return tiny_hf_model(kind, attn_implementation="sdpa", vocab_size=CP_VOCAB, **tied)
 

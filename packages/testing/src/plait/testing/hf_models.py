@@ -106,7 +106,7 @@ NAMED_HF_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             "num_experts": 2,
         },
     ),
-    # sliding-window attention on every layer (refused by context parallel)
+    # sliding-window attention on every layer
     "qwen3_sliding_window": (
         "qwen3",
         {
