@@ -1,8 +1,8 @@
-"""Sliding windows, logit soft-capping and attention sinks under every cp variant, against eager attention.
+"""Sliding windows, soft-capping, sinks and packed documents under every cp variant, against eager attention.
 
 The reference is written the way transformers' eager attention computes it, on the whole sequence in
 one process: scores, soft-cap, the causal and window mask (key j visible to query i when
-``j <= i`` and ``i - j < window``), the sink logit appended to each row's softmax and dropped after.
+``j <= i``, ``i - j < window`` and both in one document), the sink logit appended to each row's softmax and dropped after.
 Output and the q, k, v and sink gradients must agree within 1e-5 (relative, fp32).
 """
 
@@ -24,10 +24,21 @@ CASES = [
     {"softcap": 1.5},
     {"sinks": True},
     {"window": 5, "softcap": 2.0, "sinks": True},
+    {"documents": True},
+    {"documents": True, "window": 3, "sinks": True},
 ]
 
 
-def _reference(q, k, v, sinks, window, softcap, scale):
+def _documents(batch: int, seq: int) -> torch.Tensor:
+    """Document ids: row 0 cut at 3 and seq/2 + 1 (not at chunk edges), row 1 at seq - 5."""
+    ids = torch.zeros(batch, seq, dtype=torch.long)
+    ids[0, 3:] += 1
+    ids[0, seq // 2 + 1 :] += 1
+    ids[1, seq - 5 :] += 1
+    return ids
+
+
+def _reference(q, k, v, sinks, window, softcap, scale, documents=None):
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     s = q @ k.transpose(-1, -2) * scale
@@ -38,6 +49,10 @@ def _reference(q, k, v, sinks, window, softcap, scale):
     visible = j <= i
     if window is not None:
         visible = visible & (i - j < window)
+    if documents is not None:
+        visible = visible & (documents[:, None, None, :, None] == documents[:, None, None, None, :]).squeeze(
+            2
+        )
     s = s.masked_fill(~visible, float("-inf"))
     if sinks is not None:
         s = torch.cat([s, sinks[None, :, None, None].expand(*s.shape[:-1], 1)], dim=-1)
@@ -53,8 +68,9 @@ def _diffs(variant: str, case: dict, heads: int = 4, kv_heads: int = 2) -> float
     q, k, v = (torch.randn(batch, h, seq, dim, requires_grad=True) for h in (heads, kv_heads, kv_heads))
     sinks = torch.randn(heads, requires_grad=True) if case.get("sinks") else None
     window, softcap = case.get("window"), case.get("softcap")
+    documents = _documents(batch, seq) if case.get("documents") else None
     grad = torch.randn(batch, heads, seq, dim)
-    ref = _reference(q, k, v, sinks, window, softcap, scale)
+    ref = _reference(q, k, v, sinks, window, softcap, scale, documents)
     ref.backward(grad)
     idx = global_positions(seq, rank, cp)
     local = [t.detach()[:, :, idx].clone().requires_grad_() for t in (q, k, v)]
@@ -67,6 +83,7 @@ def _diffs(variant: str, case: dict, heads: int = 4, kv_heads: int = 2) -> float
         window=window,
         softcap=softcap,
         sinks=local_sinks,
+        documents=documents,
     )
     out.backward(grad[:, :, idx])
     pairs = [(out, ref[:, :, idx])] + [
@@ -92,12 +109,12 @@ def test_every_feature_matches_eager_attention_at_cp2() -> None:
 
 
 def _combined_cp4() -> dict[str, float]:
-    case = CASES[-1]
+    case = {"window": 5, "softcap": 2.0, "sinks": True, "documents": True}
     return {variant: _diffs(variant, case, heads=4, kv_heads=1) for variant in CP_ATTENTION_VARIANTS}
 
 
 def test_window_softcap_and_sinks_at_cp4() -> None:
-    """cp 4: windows cross rank boundaries; MQA (one KV head, repeated under all_to_all)."""
+    """cp 4: windows and documents cross rank boundaries; MQA (one KV head, repeated under all_to_all)."""
     for result in run_on_ranks(_combined_cp4, 4):
         assert max(result.values()) <= 1e-5, result
 
@@ -109,6 +126,10 @@ def test_window_softcap_and_sinks_at_cp4() -> None:
         ({"window": 0, "is_causal": True}, "window >= 1"),
         ({"softcap": -1.0, "is_causal": True}, "softcap must be a finite number > 0"),
         ({"sinks": torch.zeros(3), "is_causal": True}, "one logit per query head"),
+        (
+            {"documents": torch.zeros(1, 8, dtype=torch.long), "is_causal": True},
+            r"\[batch, seq\] = \[1, 16\]",
+        ),
     ],
 )
 def test_bad_features_are_refused(fake_pg, kwargs: dict, match: str) -> None:

@@ -25,6 +25,11 @@ FEATURES: list[tuple[Any, ...]] = [
     ("gemma2", {"cp_size": 2}, {"cp_attention": "all_gather"}),
     ("gpt_oss", {"cp_size": 2}, {"cp_attention": "all_to_all"}),
 ]
+PACKED: list[tuple[Any, ...]] = [  # position_ids restart at each document: block-causal attention
+    ("llama", {"cp_size": 2}, {"cp_attention": "all_gather"}, False, True),
+    ("qwen3", {"cp_size": 2}, {"cp_attention": "ring"}, False, True),
+    ("gemma2", {"cp_size": 2}, {"cp_attention": "all_to_all"}, False, True),  # + windows, soft-caps
+]
 FOUR_RANKS: list[tuple[Any, ...]] = [
     ("dense", {"cp_size": 4}, {"cp_attention": "ring"}),
     ("qwen3", {"cp_size": 4}, {"cp_attention": "all_gather"}),
@@ -68,3 +73,7 @@ def test_cp4_and_with_fsdp_tp_sp_ac() -> None:
 
 def test_cp2_sliding_windows_softcaps_and_sinks() -> None:
     _check(FEATURES, 2)
+
+
+def test_cp2_packed_documents() -> None:
+    _check(PACKED, 2)

@@ -103,20 +103,21 @@ def _whole_sequence_attention(
     features: Features,
     scale: float,
     sinks: torch.Tensor | None,
+    documents: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Attention over the whole sequence (``[B, H, L, D]``; ``sinks``: ``[H]`` or None).
+    """Attention over the whole sequence (``[B, H, L, D]``; ``sinks``: ``[H]``; ``documents``: ``[B, L]``).
 
-    Plain causal / full attention goes to SDPA; a window, soft-capping or sinks are computed by
+    Plain causal / full attention goes to SDPA; a window, soft-capping, sinks or documents are computed by
     hand (scores materialised, as CPU SDPA does; autograd differentiates them).
     """
-    if features.window is None and features.softcap is None and sinks is None:
+    if features.window is None and features.softcap is None and sinks is None and documents is None:
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=features.causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     mode = 0 if features.causal else FULL  # one chunk: the whole sequence
-    s = masked_scores(q, k, scale, mode, features)
+    s = masked_scores(q, k, scale, mode, features, None if documents is None else (documents, documents))
     if sinks is None:
         p = torch.softmax(s, dim=-1)
     else:
@@ -133,6 +134,7 @@ def all_to_all_attention(
     features: Features,
     scale: float,
     sinks: torch.Tensor | None = None,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Context-parallel attention by all-to-all (shapes as `plait.cp.variants.all_gather_attention`).
 
@@ -149,5 +151,5 @@ def all_to_all_attention(
     order = _rank_order(q.shape[-2], cp_size, q.device)
     qh, kh, vh = _to_heads([q.flatten(1, 2), k, v], group, order)
     local_sinks = None if sinks is None else sinks.flatten().chunk(cp_size)[dist.get_rank(group)]
-    out = _whole_sequence_attention(qh, kh, vh, features, scale, local_sinks)
+    out = _whole_sequence_attention(qh, kh, vh, features, scale, local_sinks, documents)
     return _to_sequence(out, group, order).unflatten(1, (kv_heads, per_kv))

@@ -22,7 +22,7 @@ from torch import nn
 from plait.cp.all_to_all import all_to_all_refusal
 from plait.cp.attention import ContextParallelAttention
 from plait.cp.hf import attach_hf, hf_module_refusal, hf_refusal, is_hf_model
-from plait.cp.layout import cp_mesh, global_positions
+from plait.cp.layout import DOCUMENTS_KEY, cp_mesh, global_positions
 
 if TYPE_CHECKING:
     from plait.mesh import MeshContext
@@ -75,7 +75,8 @@ def apply_context_parallel(
         module.attention_fn = attention
     for hf_model, modules in hf_models:
         attach_hf(hf_model, modules, attention)
-    model.register_forward_pre_hook(_InputGuard(mesh.size(), mesh.get_local_rank()), with_kwargs=True)
+    guard = _InputGuard(mesh.size(), mesh.get_local_rank(), documents=not fn_modules)
+    model.register_forward_pre_hook(guard, with_kwargs=True)
     return model
 
 
@@ -157,8 +158,9 @@ def _join(prefix: str, name: str) -> str:
 class _InputGuard:
     """Forward pre-hook: the inputs must be this rank's load-balanced part, with its global positions."""
 
-    def __init__(self, cp_size: int, cp_rank: int) -> None:
+    def __init__(self, cp_size: int, cp_rank: int, *, documents: bool) -> None:
         self.cp_size, self.cp_rank = cp_size, cp_rank
+        self.documents = documents  # whether the attention receives the forward's document ids
         self._checked: Any = None
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -175,14 +177,46 @@ class _InputGuard:
                 f"{type(module).__name__} under cp_size={self.cp_size}: a padding attention_mask cannot be honoured "
                 "across cp ranks; pack the sequences without padding"
             )
-        self._check_positions(module, kwargs.get("position_ids"))
-
-    def _check_positions(self, module: nn.Module, positions: torch.Tensor | None) -> None:
+        positions, documents = kwargs.get("position_ids"), kwargs.get(DOCUMENTS_KEY)
         if positions is None:
             raise ValueError(
                 f"{type(module).__name__} under cp_size={self.cp_size} needs position_ids=: pass the batch "
                 "from plait.cp.shard_sequence (its position_ids are the tokens' global positions)"
             )
+        if documents is None:
+            self._check_positions(module, positions)
+        else:
+            self._check_documents(module, positions, documents)
+
+    def _check_documents(self, module: nn.Module, positions: torch.Tensor, documents: torch.Tensor) -> None:
+        """Packed documents: ids of the whole sequence that agree with this rank's positions."""
+        name = type(module).__name__
+        if not self.documents:
+            raise ValueError(
+                f"{name} under cp_size={self.cp_size}: packed documents ({DOCUMENTS_KEY}=) reach only a "
+                "transformers model's attention; an attention_fn module would attend across documents"
+            )
+        local = positions.shape[-1]
+        if documents.shape != (positions.shape[0], local * self.cp_size):
+            raise ValueError(
+                f"{name} under cp_size={self.cp_size}: {DOCUMENTS_KEY} must be the whole sequence's "
+                f"[{positions.shape[0]}, {local * self.cp_size}], got {tuple(documents.shape)}; pass the batch "
+                "from plait.cp.shard_sequence"
+            )
+        index = global_positions(local * self.cp_size, self.cp_rank, self.cp_size, device=documents.device)
+        mine = documents.index_select(1, index)
+        same = mine[:, 1:] == mine[:, :-1]
+        steps = positions[:, 1:] == positions[:, :-1] + 1
+        inside = torch.ones_like(same)
+        inside[:, local // 2 - 1] = False  # the head and tail chunks are not neighbours
+        if not bool((same == steps)[inside].all()):
+            raise ValueError(
+                f"{name} under cp_size={self.cp_size}: {DOCUMENTS_KEY} disagree with position_ids on cp rank "
+                f"{self.cp_rank} (a document continues exactly where positions step by 1); pass the batch "
+                "from plait.cp.shard_sequence"
+            )
+
+    def _check_positions(self, module: nn.Module, positions: torch.Tensor) -> None:
         if self._checked is not None and self._checked() is positions:
             return
         local = positions.shape[-1]
@@ -190,7 +224,7 @@ class _InputGuard:
         if not bool((positions == expected).all()):
             raise ValueError(
                 f"{type(module).__name__} under cp_size={self.cp_size}: position_ids on cp rank {self.cp_rank} "
-                "are not the global positions plait.cp.shard_sequence gives (packed or offset sequences are not "
-                "supported under cp)"
+                "are not the global positions plait.cp.shard_sequence gives (packed documents: pass the batch "
+                f"through shard_sequence, which adds their {DOCUMENTS_KEY})"
             )
         self._checked = weakref.ref(positions)

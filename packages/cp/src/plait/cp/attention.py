@@ -67,6 +67,7 @@ class ContextParallelAttention:
         window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if attn_mask is not None:
             raise ValueError(
@@ -83,8 +84,20 @@ class ContextParallelAttention:
             raise ValueError(f"attention scale must be finite, got {scale}")
         features = Features(bool(is_causal), window, softcap)
         grouped_sinks = _grouped_sinks(sinks, q.shape[1], q.shape[2])
+        _check_documents(documents, query.shape[0], query.shape[2] * self.mesh.size())
         variant = _VARIANTS[self.variant]
-        return variant(q, k, v, self.mesh.get_group(), features, scale, grouped_sinks).flatten(1, 2)
+        out = variant(q, k, v, self.mesh.get_group(), features, scale, grouped_sinks, documents)
+        return out.flatten(1, 2)
+
+
+def _check_documents(documents: torch.Tensor | None, batch: int, seq: int) -> None:
+    if documents is not None and (
+        documents.shape != (batch, seq) or documents.dtype.is_floating_point or documents.is_complex()
+    ):
+        raise ValueError(
+            f"document_ids must be integer ids of the whole sequence, [batch, seq] = [{batch}, {seq}], got "
+            f"{documents.dtype} {tuple(documents.shape)}; take them from plait.cp.shard_sequence"
+        )
 
 
 def _grouped_sinks(sinks: torch.Tensor | None, kv_heads: int, per_kv: int) -> torch.Tensor | None:

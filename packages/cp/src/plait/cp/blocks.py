@@ -62,13 +62,20 @@ def pair_mode(q_chunk: int, kv_chunk: int, chunk_len: int, features: Features) -
     return offset
 
 
+Documents = tuple[torch.Tensor, torch.Tensor] | None
+"""The document ids (``[B, Lq]``, ``[B, Lk]``) of a pair's queries and keys, or None (one document)."""
+
+
 def masked_scores(
-    q: torch.Tensor, k: torch.Tensor, scale: float, mode: Mode, features: Features
+    q: torch.Tensor, k: torch.Tensor, scale: float, mode: Mode, features: Features, docs: Documents = None
 ) -> torch.Tensor:
-    """Scaled (and soft-capped) scores with hidden keys at ``-inf``."""
+    """Scaled (and soft-capped) scores with hidden keys at ``-inf`` (another document's keys too)."""
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if features.softcap is not None:
         s = torch.tanh(s / features.softcap) * features.softcap
+    if docs is not None:
+        other = docs[0][:, :, None] != docs[1][:, None, :]  # [B, Lq, Lk]
+        s = s.masked_fill(other.view(other.shape[0], *([1] * (s.ndim - 3)), *other.shape[1:]), float("-inf"))
     if mode != FULL:
         rows = torch.arange(s.shape[-2], device=s.device)[:, None]
         cols = torch.arange(s.shape[-1], device=s.device)[None, :]
@@ -81,13 +88,19 @@ def masked_scores(
 
 
 def forward_pair(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mode: Mode, features: Features
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mode: Mode,
+    features: Features,
+    docs: Documents = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial attention of ``q`` over one key chunk: ``(out float32, lse float32 [..., Lq])``.
 
     A query that sees no key of the chunk gets ``lse = -inf`` and a zero output.
     """
-    s = masked_scores(q, k, scale, mode, features)
+    s = masked_scores(q, k, scale, mode, features, docs)
     lse = torch.logsumexp(s, dim=-1)
     safe = torch.where(torch.isfinite(lse), lse, 0.0)
     out = torch.matmul(torch.exp(s - safe.unsqueeze(-1)), v.float())
@@ -130,10 +143,11 @@ def backward_pair(
     scale: float,
     mode: Mode,
     features: Features,
+    docs: Documents = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` (float32) of one pair, given the final output's lse and
     ``delta = rowsum(grad_out * out)``; dk and dv are summed over the query groups."""
-    s = masked_scores(q, k, scale, mode, features)
+    s = masked_scores(q, k, scale, mode, features, docs)
     p = torch.exp(s - lse.unsqueeze(-1))
     g = grad_out.float()
     dv = torch.matmul(p.transpose(-1, -2), g).sum(dim=2, keepdim=True)

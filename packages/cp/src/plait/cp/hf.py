@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from plait.cp.attention import ContextParallelAttention
+from plait.cp.layout import DOCUMENTS_KEY
 
 ATTN_IMPLEMENTATION = "plait_cp"
 """The name registered in transformers' ``AttentionInterface``."""
@@ -127,6 +128,7 @@ def _hf_attention(
             "by plait.cp.apply_context_parallel"
         )
     features = {ours: kwargs.get(theirs) for theirs, ours in _FEATURE_KWARGS.items()}
+    features["documents"] = kwargs.get(DOCUMENTS_KEY)  # handed down by the model's forward (**kwargs)
     if is_causal is None:
         config = getattr(module, "config", None)
         is_causal = getattr(module, "is_causal", True) and getattr(config, "is_causal", True)

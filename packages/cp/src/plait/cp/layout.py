@@ -16,10 +16,32 @@ from torch.distributed.device_mesh import DeviceMesh
 if TYPE_CHECKING:
     from plait.mesh import MeshContext
 
-__all__ = ["chunk_ids", "cp_mesh", "global_positions", "shard_sequence", "unshard_sequence"]
+__all__ = [
+    "DOCUMENTS_KEY",
+    "chunk_ids",
+    "cp_mesh",
+    "document_ids",
+    "global_positions",
+    "shard_sequence",
+    "unshard_sequence",
+]
 
 SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "attention_mask", "inputs_embeds")
 """Batch entries split along the sequence (dim 1); every other entry is passed through unchanged."""
+DOCUMENTS_KEY = "document_ids"
+"""The entry `shard_sequence` adds for packed documents: the whole sequence's document ids, unsplit."""
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Document ids ``[batch, seq]`` of packed ``position_ids``, or None when each row is one document.
+
+    A document starts where the position is not the previous one plus 1 (transformers' rule for
+    packed sequences), so ``[0, 1, 2, 0, 1, 0]`` holds documents ``[0, 0, 0, 1, 1, 2]``.
+    """
+    first = position_ids[:, :1] - 1
+    starts = torch.diff(position_ids, prepend=first, dim=-1) != 1
+    ids = starts.cumsum(-1)
+    return None if not bool(ids[:, -1].any()) else ids
 
 
 def chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:
@@ -58,7 +80,10 @@ def shard_sequence(
 
     Entries named in ``SEQUENCE_KEYS`` are split along dim 1 (``[batch, seq, ...]``); ``position_ids``
     is added (global positions, ``[batch, seq // cp]``) when the batch has none, so rotary embeddings
-    see where each token really is. Other entries are returned unchanged. With cp = 1 the batch is
+    see where each token really is. Packed documents (``position_ids`` that restart, see
+    `document_ids`) add ``DOCUMENTS_KEY``: the whole sequence's document ids, which the model's
+    forward takes with the rest (a transformers model hands them to its attention), so no token
+    attends across a document boundary. Other entries are returned unchanged. With cp = 1 the batch is
     returned as a new dict, unchanged. No collective: every rank must pass the same full batch.
 
     Raises:
@@ -74,6 +99,8 @@ def shard_sequence(
     if out.get("position_ids") is None:
         ref = next(batch[k] for k in SEQUENCE_KEYS if batch.get(k) is not None)
         out["position_ids"] = torch.arange(seq_len, device=ref.device).expand(ref.shape[0], seq_len)
+    elif (documents := document_ids(out["position_ids"])) is not None:
+        out[DOCUMENTS_KEY] = documents
     index = global_positions(seq_len, cp_rank, cp_size)
     for key in SEQUENCE_KEYS:
         value = out.get(key)

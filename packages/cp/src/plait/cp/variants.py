@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from plait.cp.blocks import (
     SKIP,
+    Documents,
     Features,
     Mode,
     add_sinks,
@@ -29,18 +30,29 @@ from plait.cp.blocks import (
 )
 from plait.cp.layout import chunk_ids
 
-Pairs = list[tuple[int, int, Mode]]
-"""(local query chunk 0/1, key chunk 0/1 of the source rank, mode) triples that are not skipped."""
+Pairs = list[tuple[int, int, Mode, Documents]]
+"""(local query chunk 0/1, key chunk 0/1 of the source rank, mode, their documents), none skipped."""
 
 
-def _pairs(rank: int, source: int, cp_size: int, chunk_len: int, features: Features) -> Pairs:
+def _pairs(
+    rank: int, source: int, cp_size: int, chunk_len: int, features: Features, documents: torch.Tensor | None
+) -> Pairs:
     out = []
     for qi, q_chunk in enumerate(chunk_ids(rank, cp_size)):
         for ki, kv_chunk in enumerate(chunk_ids(source, cp_size)):
             mode = pair_mode(q_chunk, kv_chunk, chunk_len, features)
             if mode != SKIP:
-                out.append((qi, ki, mode))
+                docs = (
+                    None
+                    if documents is None
+                    else (_chunk(documents, q_chunk, chunk_len), _chunk(documents, kv_chunk, chunk_len))
+                )
+                out.append((qi, ki, mode, docs))
     return out
+
+
+def _chunk(documents: torch.Tensor, chunk: int, chunk_len: int) -> torch.Tensor:
+    return documents[:, chunk * chunk_len : (chunk + 1) * chunk_len]
 
 
 def _accumulate_forward(
@@ -53,8 +65,8 @@ def _accumulate_forward(
     features: Features,
 ) -> None:
     ks, vs = split_chunks(k, 2), split_chunks(v, 2)
-    for qi, ki, mode in pairs:
-        acc[qi] = merge(*acc[qi], *forward_pair(q[qi], ks[ki], vs[ki], scale, mode, features))
+    for qi, ki, mode, docs in pairs:
+        acc[qi] = merge(*acc[qi], *forward_pair(q[qi], ks[ki], vs[ki], scale, mode, features, docs))
 
 
 def _accumulate_backward(
@@ -70,9 +82,9 @@ def _accumulate_backward(
 ) -> None:
     q, grad_out, lse, delta = saved
     ks, vs, dks, dvs = split_chunks(k, 2), split_chunks(v, 2), split_chunks(dk, 2), split_chunks(dv, 2)
-    for qi, ki, mode in pairs:
+    for qi, ki, mode, docs in pairs:
         gq, gk, gv = backward_pair(
-            q[qi], ks[ki], vs[ki], grad_out[qi], lse[qi], delta[qi], scale, mode, features
+            q[qi], ks[ki], vs[ki], grad_out[qi], lse[qi], delta[qi], scale, mode, features, docs
         )
         dq[qi] += gq
         dks[ki] += gk
@@ -140,15 +152,16 @@ class _GatheredAttention(torch.autograd.Function):
         rank: int,
         features: Features,
         scale: float,
+        documents: torch.Tensor | None,
     ) -> torch.Tensor:
         cp_size, chunk_len = kv_all.shape[0], q.shape[-2] // 2
         qs, acc = split_chunks(q, 2), [(None, None), (None, None)]
         for source in range(cp_size):
-            pairs = _pairs(rank, source, cp_size, chunk_len, features)
+            pairs = _pairs(rank, source, cp_size, chunk_len, features, documents)
             _accumulate_forward(acc, qs, kv_all[source, 0], kv_all[source, 1], pairs, scale, features)
         out, lse = _finish(acc, q.dtype, sinks)
         ctx.save_for_backward(q, kv_all, out, lse, sinks)
-        ctx.rank, ctx.features, ctx.scale = rank, features, scale
+        ctx.rank, ctx.features, ctx.scale, ctx.documents = rank, features, scale, documents
         return out
 
     @staticmethod
@@ -159,13 +172,13 @@ class _GatheredAttention(torch.autograd.Function):
         dq = [torch.zeros_like(c, dtype=torch.float32) for c in saved[0]]
         dkv = torch.zeros_like(kv_all, dtype=torch.float32)
         for source in range(cp_size):
-            pairs = _pairs(ctx.rank, source, cp_size, chunk_len, ctx.features)
+            pairs = _pairs(ctx.rank, source, cp_size, chunk_len, ctx.features, ctx.documents)
             k, v = kv_all[source, 0], kv_all[source, 1]
             _accumulate_backward(
                 saved, k, v, dq, dkv[source, 0], dkv[source, 1], pairs, ctx.scale, ctx.features
             )
         d_sinks = _sinks_grad(sinks, lse, out, grad_out)
-        return torch.cat(dq, dim=-2).to(q.dtype), dkv.to(kv_all.dtype), d_sinks, None, None, None
+        return torch.cat(dq, dim=-2).to(q.dtype), dkv.to(kv_all.dtype), d_sinks, None, None, None, None
 
 
 class _Shift:
@@ -200,18 +213,19 @@ class _RingAttention(torch.autograd.Function):
         group: dist.ProcessGroup,
         features: Features,
         scale: float,
+        documents: torch.Tensor | None,
     ) -> torch.Tensor:
         cp_size, rank, chunk_len = dist.get_world_size(group), dist.get_rank(group), q.shape[-2] // 2
         qs, acc, kv = split_chunks(q, 2), [(None, None), (None, None)], (k, v)
         for step in range(cp_size):
             hop = _Shift(kv, group, tag=0) if step < cp_size - 1 else None
-            pairs = _pairs(rank, (rank - step) % cp_size, cp_size, chunk_len, features)
+            pairs = _pairs(rank, (rank - step) % cp_size, cp_size, chunk_len, features, documents)
             _accumulate_forward(acc, qs, kv[0], kv[1], pairs, scale, features)
             if hop is not None:
                 kv = hop.wait()
         out, lse = _finish(acc, q.dtype, sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.group, ctx.features, ctx.scale = group, features, scale
+        ctx.group, ctx.features, ctx.scale, ctx.documents = group, features, scale, documents
         return out
 
     @staticmethod
@@ -225,7 +239,7 @@ class _RingAttention(torch.autograd.Function):
         dkv = (torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32))
         for step in range(cp_size):
             hop = _Shift(kv, group, tag=0) if step < cp_size - 1 else None
-            pairs = _pairs(rank, (rank - step) % cp_size, cp_size, chunk_len, ctx.features)
+            pairs = _pairs(rank, (rank - step) % cp_size, cp_size, chunk_len, ctx.features, ctx.documents)
             _accumulate_backward(saved, kv[0], kv[1], dq, dkv[0], dkv[1], pairs, ctx.scale, ctx.features)
             # The accumulators follow their K/V; after the last hop each is back at its owner.
             dkv = _Shift(dkv, group, tag=1).wait()
@@ -233,7 +247,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = hop.wait()
         d_sinks = _sinks_grad(sinks, lse, out, grad_out)
         dq_out = torch.cat(dq, dim=-2).to(q.dtype)
-        return dq_out, dkv[0].to(k.dtype), dkv[1].to(v.dtype), d_sinks, None, None, None
+        return dq_out, dkv[0].to(k.dtype), dkv[1].to(v.dtype), d_sinks, None, None, None, None
 
 
 def all_gather_attention(
@@ -244,13 +258,15 @@ def all_gather_attention(
     features: Features,
     scale: float,
     sinks: torch.Tensor | None = None,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Context-parallel attention by all-gathering K/V.
 
-    ``q``: ``[B, Hkv, G, L, D]``, ``k``/``v``: ``[B, Hkv, 1, L, D]``, ``sinks``: ``[Hkv, G]`` or None.
+    ``q``: ``[B, Hkv, G, L, D]``, ``k``/``v``: ``[B, Hkv, 1, L, D]``, ``sinks``: ``[Hkv, G]`` or None,
+    ``documents``: the whole sequence's document ids ``[B, L * cp]`` or None (one document).
     """
     kv_all = _GatherKV.apply(torch.stack([k, v]), group)
-    return _GatheredAttention.apply(q, kv_all, sinks, dist.get_rank(group), features, scale)
+    return _GatheredAttention.apply(q, kv_all, sinks, dist.get_rank(group), features, scale, documents)
 
 
 def ring_attention(
@@ -261,6 +277,7 @@ def ring_attention(
     features: Features,
     scale: float,
     sinks: torch.Tensor | None = None,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Context-parallel attention by passing K/V round the ring (shapes as `all_gather_attention`)."""
-    return _RingAttention.apply(q, k, v, sinks, group, features, scale)
+    """Context-parallel attention by passing K/V round the ring (arguments as `all_gather_attention`)."""
+    return _RingAttention.apply(q, k, v, sinks, group, features, scale, documents)

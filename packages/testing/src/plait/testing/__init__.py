@@ -67,7 +67,16 @@ from plait.testing.routing import MIN_MARGIN, Margins, record_routing_margins
 from plait.testing.sweep import case_row, merge_rows, run_cases
 
 _LAZY = {
-    "plait.testing.cp_cases": ("CP_SEQ", "CP_VOCAB", "cp_decoder", "cp_local_inputs", "cp_parity"),
+    "plait.testing.cp_cases": (
+        "CP_SEQ",
+        "CP_VOCAB",
+        "PACKED_DOCUMENTS",
+        "cp_decoder",
+        "cp_local_inputs",
+        "cp_parity",
+        "packed_positions",
+        "packed_positions",
+    ),
     "plait.testing.hf_moe": (
         "HF_MOE_LAYOUTS",
         "HF_MOE_SEEDS",
@@ -107,6 +116,7 @@ __all__ = [
     "HF_MOE_SIZES",
     "Inputs",
     "MIN_MARGIN",
+    "PACKED_DOCUMENTS",
     "Margins",
     "NAMED_HF_CONFIGS",
     "NestedContainerModel",

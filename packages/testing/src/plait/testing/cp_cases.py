@@ -14,13 +14,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.cp import shard_sequence
+from plait.cp import DOCUMENTS_KEY, shard_sequence
 from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
 from plait.testing.driver import Inputs, paired, run_parity, token_batches
 from plait.testing.hf_models import tiny_hf_model
 from plait.testing.sweep import case_row
 
-__all__ = ["CP_FEATURE_MODELS", "CP_SEQ", "CP_VOCAB", "cp_decoder", "cp_local_inputs", "cp_parity"]
+__all__ = [
+    "CP_FEATURE_MODELS",
+    "CP_SEQ",
+    "CP_VOCAB",
+    "PACKED_DOCUMENTS",
+    "cp_decoder",
+    "cp_local_inputs",
+    "cp_parity",
+    "packed_positions",
+]
 
 CP_VOCAB = 96
 CP_SEQ = 16
@@ -73,17 +82,29 @@ def cp_local_inputs(ctx: MeshContext, seen: list[int]) -> Callable[[Inputs], Inp
         kwargs, labels = batch
         part = shard_sequence({**kwargs, "labels": labels}, ctx)
         seen.append(int(part["input_ids"].shape[1]))
-        return {"input_ids": part["input_ids"], "position_ids": part["position_ids"]}, part["labels"]
+        keys = ("input_ids", "position_ids", DOCUMENTS_KEY)
+        return {k: part[k] for k in keys if part.get(k) is not None}, part["labels"]
 
     return local
 
 
+PACKED_DOCUMENTS = ((3, 6, 7), (11, 5))
+"""Document lengths of each row of a packed :data:`CP_SEQ` batch (boundaries inside chunks and across ranks)."""
+
+
+def packed_positions(lengths: tuple[tuple[int, ...], ...] = PACKED_DOCUMENTS) -> torch.Tensor:
+    """``position_ids`` ``[rows, CP_SEQ]`` that restart at each document (transformers' packed format)."""
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+
+
 def cp_parity(
-    kind: str, sizes: dict[str, int], options: dict[str, Any], ac: str | bool = False
+    kind: str, sizes: dict[str, int], options: dict[str, Any], ac: str | bool = False, packed: bool = False
 ) -> dict[str, Any]:
     """One configuration on this rank: loss / gradient / parameter / AdamW differences and what was used.
 
-    ``ok``: every difference within the driver's fp32 tolerances (and gradients compared).
+    ``packed``: each row holds :data:`PACKED_DOCUMENTS` (``position_ids`` restart; the unsharded
+    transformers model masks across documents itself). ``ok``: every difference within the driver's
+    fp32 tolerances (and gradients compared).
     """
     from plait.sidecar import parallelize_model  # not a plait-cp dependency
 
@@ -100,9 +121,9 @@ def cp_parity(
     dp = ctx.dp_mesh()
     parity = run_parity(
         paired(lambda: cp_decoder(kind), parallelize),
-        token_batches(CP_VOCAB, dp.size(), seq=CP_SEQ),
+        token_batches(CP_VOCAB, dp.size(), seq=CP_SEQ, extra=_packed if packed else None),
         dp_rank=dp.get_local_rank(),
-        case=f"{kind} {sizes} {options} ac={ac}",
+        case=f"{kind} {sizes} {options} ac={ac} packed={packed}",
         local_inputs=local,
     )
     return {
@@ -117,3 +138,7 @@ def cp_parity(
         "local_seq": local_seq[0],
         **{k: v for k, v in case_row(parity).items() if k in ("ok", "why")},
     }
+
+
+def _packed(step: int, dp_rank: int) -> dict[str, torch.Tensor]:
+    return {"position_ids": packed_positions()}
