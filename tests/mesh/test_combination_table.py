@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from plait.mesh import DDPConfig, FSDP2Config, MegatronFSDPConfig, ParallelismSizes
+from plait.mesh import DDPConfig, Float8Config, FSDP2Config, MegatronFSDPConfig, ParallelismSizes
 from plait.mesh.combinations import (
     COMBINATION_RULES,
     STRATEGIES,
@@ -52,6 +52,10 @@ MEGATRON = "tests/strategies/test_megatron.py::test_megatron_fsdp_trains_like_th
 NEW = "tests/sidecar/test_combination_parity.py::test_combination_matches_reference"
 COMPILED = "tests/sidecar/test_combination_parity.py::test_compiled_combination_matches_reference"
 PP_NEW = "tests/pipeline/test_combination_parity.py::test_pipeline_combination_matches_reference"
+F8_2 = "tests/float8/test_parity.py::test_float8_parity_on_two_ranks"
+"""2 ranks, float8 (emulated): dp_shard 2 (tensorwise, rowwise, float8 all-gather), tp 2, tp 2 + selective AC."""
+F8_4 = "tests/float8/test_parity.py::test_float8_parity_on_four_ranks"
+"""4 ranks, float8 (emulated): dp_shard 2 x tp 2, HSDP 2 x 2 + full AC, dp_shard 2 x tp 2 + full AC."""
 
 
 def _(*items: str) -> frozenset[str]:
@@ -119,6 +123,13 @@ BUILT_BY: dict[frozenset[str], str] = {
     _("ddp", "dp_shard"): f"{DDP}[4-False]",
     _("ac_full", "ddp"): f"{DDP}[2-full]",
     _("ac_selective", "ddp"): f"{DDP}[4-selective]",
+    # float8 (torchao, emulated on CPU)
+    _("float8", "fsdp2"): F8_2,
+    _("dp_shard", "float8"): F8_2,
+    _("float8", "tp"): F8_2,
+    _("ac_selective", "float8"): F8_2,
+    _("dp_replicate", "float8"): F8_4,
+    _("ac_full", "float8"): F8_4,
     # Megatron-FSDP (CUDA only: these skip on CPU with the reason)
     _("dp_shard", "megatron_fsdp"): MEGATRON,
 }
@@ -152,6 +163,7 @@ def request_for(items: frozenset[str]) -> CombinationRequest:
             "sequence_parallel": bool(items & {"sp", "async_tp"}),  # async TP needs sequence parallel
             "enable_async_tensor_parallel": "async_tp" in items,
             "enable_compile": "compile" in items,
+            "float8": _float8(items),
         }
     two = {axis: 2 if axis in items else 1 for axis in ("dp_replicate", "cp", "tp", "ep", "pp")}
     if items & {"sp", "async_tp"}:
@@ -175,6 +187,12 @@ def request_for(items: frozenset[str]) -> CombinationRequest:
     return CombinationRequest(request.items | missing, request.values | {item: item for item in missing})
 
 
+def _float8(items: frozenset[str]) -> Float8Config | None:
+    if "float8_rowwise" in items:
+        return Float8Config(scaling="rowwise")
+    return Float8Config() if "float8" in items else None
+
+
 def _fired(request: CombinationRequest) -> CombinationRule:
     return next(rule for rule in COMBINATION_RULES if rule.items <= request.items)
 
@@ -188,7 +206,7 @@ def test_requests_hold_what_they_ask_for() -> None:
     """The requests below are real ones: each holds its entry, and adds only what the entry implies."""
     for items in [*entries(), *(rule.items for rule in COMBINATION_RULES)]:
         extra = request_for(items).items - items
-        assert extra <= {"fsdp2", "dp_shard", "tp", "sp"}, (_label(items), extra)
+        assert extra <= {"fsdp2", "dp_shard", "tp", "sp", "float8"}, (_label(items), extra)
 
 
 @pytest.mark.parametrize("items", entries(), ids=_label)

@@ -14,7 +14,9 @@ from plait.mesh.combinations import (
 )
 from plait.mesh.configs import (
     CP_ATTENTION_VARIANTS,
+    FLOAT8_SCALINGS,
     DDPConfig,
+    Float8Config,
     FSDP2Config,
     MegatronFSDPConfig,
     MoEConfig,
@@ -56,7 +58,9 @@ __all__ = [
     "ActivationCheckpointing",
     "DDPConfig",
     "DistributedInfo",
+    "FLOAT8_SCALINGS",
     "FSDP2Config",
+    "Float8Config",
     "FrozenMultimodalSharding",
     "FullTensorSource",
     "MegatronFSDPConfig",

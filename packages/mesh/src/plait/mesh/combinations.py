@@ -40,7 +40,8 @@ __all__ = [
 AXES: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "tp", "sp", "ep", "pp")
 """Mesh axes (and sequence parallel, which rides on tp) that are present when larger than 1."""
 STRATEGIES: tuple[str, ...] = ("fsdp2", "ddp", "megatron_fsdp")
-TECHNIQUES: tuple[str, ...] = ("ac_full", "ac_selective", "compile", "async_tp")
+TECHNIQUES: tuple[str, ...] = ("ac_full", "ac_selective", "compile", "async_tp", "float8", "float8_rowwise")
+"""``float8``: ``FSDP2Config.float8`` is set; ``float8_rowwise``: with ``scaling='rowwise'`` (holds ``float8`` too)."""
 FEATURES: tuple[str, ...] = ("moe", "multimodal")
 """Model features the planner reads off the model (an experts block; a vision/audio tower)."""
 EXCLUSIVE: tuple[frozenset[str], ...] = (
@@ -68,6 +69,58 @@ def _rule(items: Iterable[str], reason: str, fix: str, *, layout: bool = False) 
 
 
 _DDP_FIX = "use FSDP2Config (strategy fsdp2) or set it to 1"
+_FLOAT8_OFF = "turn float8 off (FSDP2Config.float8=None)"
+_FLOAT8_RULES: tuple[CombinationRule, ...] = (
+    *(
+        _rule(
+            {strategy, "float8"},
+            "float8 is a step of the FSDP2 flow only (FSDP2Config.float8)",
+            f"use FSDP2Config (strategy fsdp2) or {_FLOAT8_OFF}",
+        )
+        for strategy in ("ddp", "megatron_fsdp")
+    ),
+    _rule(
+        {"float8_rowwise", "tp"},
+        "torchao's float8 TP styles cast with one tensorwise scale",
+        "set Float8Config.scaling='tensorwise' or tp_size to 1",
+    ),
+    _rule(
+        {"float8", "sp"},
+        "under sequence parallel torchao's float8 TP styles all-gather float8 gradients, which gloo cannot "
+        "carry, so no parity run of it exists (it needs >= 2 CUDA GPUs)",
+        f"set sequence_parallel to False or {_FLOAT8_OFF}",
+    ),
+    _rule(
+        {"float8", "compile"},
+        "float8 with per-layer compile has no parity run yet",
+        f"turn enable_compile off or {_FLOAT8_OFF}",
+    ),
+    _rule(
+        {"float8", "cp"},
+        "float8 with context parallel has no parity run yet",
+        f"set cp_size to 1 or {_FLOAT8_OFF}",
+    ),
+    _rule(
+        {"float8", "ep"},
+        "float8 expert weights (grouped GEMMs) are not built",
+        f"set ep_size to 1 or {_FLOAT8_OFF}",
+    ),
+    _rule(
+        {"float8", "moe"},
+        "float8 expert weights (grouped GEMMs) are not built, and no parity run covers float8 MoE layers",
+        _FLOAT8_OFF,
+    ),
+    _rule(
+        {"float8", "pp"},
+        "the float8 transform is not built into the pipeline path (stages are pruned copies of the model)",
+        f"set pp_size to 1 or {_FLOAT8_OFF}",
+    ),
+    _rule(
+        {"float8", "multimodal"},
+        "float8 with frozen or sharded media towers has no parity run yet",
+        _FLOAT8_OFF,
+    ),
+)
 _MEGATRON_FIX = "use FSDP2Config (strategy fsdp2) or set it to 1"
 COMBINATION_RULES: tuple[CombinationRule, ...] = (
     *(
@@ -137,6 +190,7 @@ COMBINATION_RULES: tuple[CombinationRule, ...] = (
     ),
     _rule({"pp", "multimodal"}, "pipeline stages split decoders only", "set pp_size to 1"),
     _rule({"cp", "multimodal"}, "media tokens are not sequence-sharded", "set cp_size to 1"),
+    *_FLOAT8_RULES,
 )
 """Every refusal of a combination, in the order they are reported (the first that applies)."""
 
@@ -187,6 +241,11 @@ def combination_request(
         compile = isinstance(strategy_config, FSDP2Config) and strategy_config.enable_compile
     if compile:
         values["compile"] = "enable_compile=True"
+    float8 = strategy_config.float8 if isinstance(strategy_config, FSDP2Config) else None
+    if float8 is not None:
+        values["float8"] = f"float8 (scaling={float8.scaling!r})"
+        if float8.scaling == "rowwise":
+            values["float8_rowwise"] = "Float8Config.scaling='rowwise'"
     if activation_checkpointing:
         mode = "full" if activation_checkpointing is True else str(activation_checkpointing)
         values[f"ac_{mode}"] = f"activation_checkpointing={mode!r}"
@@ -243,5 +302,5 @@ def _ordered(items: Iterable[str]) -> list[str]:
 
 def table_pairs() -> list[frozenset[str]]:
     """Every pair of axes, strategies and techniques (not async TP) a request can hold."""
-    universe = (*AXES, *STRATEGIES, "ac_full", "ac_selective", "compile")
+    universe = (*AXES, *STRATEGIES, "ac_full", "ac_selective", "compile", "float8")
     return [frozenset(pair) for pair in combinations(universe, 2) if frozenset(pair) not in EXCLUSIVE]

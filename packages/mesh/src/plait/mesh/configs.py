@@ -21,7 +21,9 @@ from plait.mesh.parsing import (
 __all__ = [
     "CP_ATTENTION_VARIANTS",
     "DDPConfig",
+    "FLOAT8_SCALINGS",
     "FSDP2Config",
+    "Float8Config",
     "MegatronFSDPConfig",
     "MoEConfig",
     "default_mp_policy",
@@ -29,6 +31,8 @@ __all__ = [
 
 CP_ATTENTION_VARIANTS = ("all_gather", "ring", "all_to_all")
 """Values of ``FSDP2Config.cp_attention``."""
+FLOAT8_SCALINGS = ("tensorwise", "rowwise")
+"""Values of ``Float8Config.scaling`` (torchao's recipes of the same names)."""
 
 
 def default_mp_policy() -> MixedPrecisionPolicy:
@@ -88,6 +92,68 @@ class _Config:
         return from_dict(cls, data, cls.__name__)
 
 
+def _patterns(owner: str, name: str, value: object) -> object:
+    """A list or one string of FQN patterns as a tuple; an empty pattern is refused."""
+    if isinstance(value, str):
+        value = (value,)
+    if isinstance(value, list | tuple):
+        if any(isinstance(p, str) and not p.strip() for p in value):
+            raise ValueError(f"{owner}.{name} holds an empty pattern: {list(value)}; remove it")
+        return tuple(value)
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class Float8Config(_Config):
+    """Float8 training (torchao's ``Float8Linear``) for the eligible ``nn.Linear`` modules; see docs/float8.md.
+
+    Never converted, whatever the patterns say: the output head (``get_output_embeddings`` /
+    ``lm_head``), MoE routers and gates and everything inside an ``experts`` block, linears whose
+    (per-rank, after TP) in or out features are not multiples of 16, and under tp > 1 the linears
+    the TP plan does not shard column- or row-wise. The plan lists every linear left out and why.
+    """
+
+    scaling: str = "tensorwise"
+    """``tensorwise`` (one scale per tensor) or ``rowwise`` (one per row; power-of-2 scales)."""
+    fsdp_all_gather: bool = False
+    """All-gather the weights in float8 under FSDP2 (tensorwise only): call
+    ``plait.float8.precompute_float8_scales(model)`` after every optimizer step."""
+    include: tuple[str, ...] = ("*",)
+    """``fnmatch`` patterns of module FQNs that may be converted (default: every linear)."""
+    skip: tuple[str, ...] = ()
+    """``fnmatch`` patterns of module FQNs never converted, on top of the automatic skips above."""
+    emulate: bool | None = None
+    """Emulate the float8 matmuls in high precision; None = emulate on CPU meshes, hardware float8 on CUDA."""
+
+    def _normalize(self) -> None:
+        self._set("include", _patterns("Float8Config", "include", self.include))
+        self._set("skip", _patterns("Float8Config", "skip", self.skip))
+
+    def _validate(self) -> None:
+        if self.scaling not in FLOAT8_SCALINGS:
+            raise ValueError(
+                f"Float8Config.scaling must be one of {list(FLOAT8_SCALINGS)}, got {self.scaling!r}"
+            )
+        if not self.include:
+            raise ValueError(
+                "Float8Config.include is empty, so nothing would be converted; use ['*'] or turn float8 off"
+            )
+        if self.scaling == "rowwise" and self.fsdp_all_gather:
+            raise ValueError(
+                "Float8Config(scaling='rowwise', fsdp_all_gather=True): torchao all-gathers float8 weights "
+                "with one tensorwise scale only; set fsdp_all_gather=False or scaling='tensorwise'"
+            )
+
+
+def _parse_float8(value: object) -> object:
+    """``FSDP2Config.float8`` given as a config, None, a bool (True = defaults) or a dict of its fields."""
+    if isinstance(value, bool):
+        return Float8Config() if value else None
+    if isinstance(value, Mapping):
+        return from_dict(Float8Config, value, "FSDP2Config.float8")
+    return value
+
+
 @dataclass(frozen=True, kw_only=True)
 class FSDP2Config(_Config):
     """FSDP2 (``fully_shard``) with optional tensor, sequence and context parallelism."""
@@ -118,8 +184,11 @@ class FSDP2Config(_Config):
     """Fully frozen towers/projectors: ``root`` (in the root unit), ``per_layer`` or ``replicate``."""
     cp_attention: str = "all_gather"
     """Context-parallel attention (cp > 1): ``all_gather`` (gather K/V), ``ring`` (pass K/V round) or ``all_to_all`` (split heads)."""
+    float8: Float8Config | None = None
+    """Float8 training of the eligible linears (needs torchao: ``plait-float8[torchao]``); YAML: a dict, true or null."""
 
     def _normalize(self) -> None:
+        self._set("float8", _parse_float8(self.float8))
         self._set("mp_policy", parse_mp_policy("FSDP2Config.mp_policy", self.mp_policy))
         self._set("offload_policy", parse_offload_policy("FSDP2Config.offload_policy", self.offload_policy))
         self._set("activation_checkpointing_scope", normalize_ac_scope(self.activation_checkpointing_scope))

@@ -12,6 +12,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_sh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from plait.cp import apply_context_parallel
+from plait.float8 import apply_float8
 from plait.sharding import (
     LayerGroup,
     apply_activation_checkpointing,
@@ -69,6 +70,8 @@ class ModelParallelizer:
     ) -> nn.Module:
         """The one flow, every strategy: gated steps over the plan, in the order docs/architecture.md gives."""
         plan = plan if plan is not None else plan_parallelism(model, mesh_context, self)
+        if plan.float8:  # first: TP styles, checkpoint wrappers and FSDP units see the float8 linears
+            apply_float8(model, plan.float8)
         if plan.cp:
             apply_context_parallel(model, mesh_context, variant=plan.cp_attention)
         if plan.tp:

@@ -2,9 +2,8 @@
 
 The plan says which techniques apply (each from one gate here), refuses every combination the
 combination table in `plait.mesh` does not build, resolves the TP plan once (with its source), finds
-the layer groups, the MoE blocks and the frozen towers, and lists the FSDP units in the order the
-flow creates them, each with its reshard-after-forward value from
-`plait.sharding.unit_reshard_after_forward`. `ModelParallelizer._apply` only applies it; the
+the linears float8 converts, the layer groups, the MoE blocks and the frozen towers, and lists the
+FSDP units in creation order, each with its `plait.sharding.unit_reshard_after_forward` value. `ModelParallelizer._apply` only applies it; the
 trainer's ``validate`` and ``plan`` build the same object on meta tensors and a fake process group.
 """
 
@@ -21,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from plait.cp import check_context_parallel_model
+from plait.float8 import Float8Plan, float8_tp_plan, plan_float8
 from plait.mesh import FSDP2Config, MeshContext, check_combination, context_request, strategy_name
 from plait.sharding import (
     FSDPUnit,
@@ -93,6 +93,7 @@ class ParallelPlan:
     """Every FSDP unit, in the order the flow creates them; empty when nothing is sharded."""
     pipeline_stage: bool = False
     compile: bool = False
+    float8: Float8Plan | None = None
 
     @property
     def tp(self) -> bool:
@@ -136,6 +137,7 @@ class ParallelPlan:
             ],
             "pipeline_stage": self.pipeline_stage,
             "compile": self.compile,
+            "float8": self.float8.describe() if self.float8 else None,
         }
 
     def text(self, title: str = "parallel plan") -> str:
@@ -211,6 +213,7 @@ def plan_parallelism(
         **_cp_decisions(model, mesh_context),
         **_ac_decisions(model, mesh_context, sidecar, blocks),
     )
+    plan = dataclasses.replace(plan, **_float8_decisions(model, mesh_context, plan))
     if strategy == "fsdp2":
         with _trainability_restored(model, mesh_context):  # the FSDP step runs after trainability
             plan = dataclasses.replace(plan, **_fsdp_decisions(model, mesh_context, plan))
@@ -226,14 +229,12 @@ def compile_requested(mesh_context: MeshContext) -> bool:
 
 
 def _sizes(mesh_context: MeshContext) -> tuple[tuple[str, int], ...]:
-    sizes = []
-    for mesh in (mesh_context.device_mesh, mesh_context.moe_mesh):
-        if mesh is None:
-            continue
+    sizes: dict[str, int] = {}
+    for mesh in [m for m in (mesh_context.device_mesh, mesh_context.moe_mesh) if m is not None]:
         for name, size in zip(mesh.mesh_dim_names or (), mesh.mesh.shape, strict=True):
-            if size > 1 and name not in dict(sizes):
-                sizes.append((name, int(size)))
-    return tuple(sizes)
+            if size > 1:
+                sizes.setdefault(name, int(size))
+    return tuple(sizes.items())
 
 
 def _tp_decisions(
@@ -273,6 +274,16 @@ def _tp_decisions(
         "sequence_parallel": sp,
         "async_tp": bool(getattr(cfg, "enable_async_tensor_parallel", False)),
     }
+
+
+def _float8_decisions(model: nn.Module, mesh_context: MeshContext, plan: ParallelPlan) -> dict[str, Any]:
+    """The linears torchao converts and the TP plan with their float8 styles (no float8: nothing)."""
+    config = getattr(mesh_context.strategy_config, "float8", None)
+    if config is None:
+        return {}
+    device, tp_size = mesh_context.device_mesh.device_type, mesh_context.tp_size
+    float8 = plan_float8(model, config, device_type=device, tp_plan=plan.tp_plan, tp_size=tp_size)
+    return {"float8": float8, "tp_plan": MappingProxyType(float8_tp_plan(model, plan.tp_plan, float8))}
 
 
 def _cp_decisions(model: nn.Module, mesh_context: MeshContext) -> dict[str, Any]:
