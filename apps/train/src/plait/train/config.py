@@ -163,6 +163,8 @@ class DataConfig:
     """Share of documents held out for validation (every k-th document)."""
     shuffle: bool = True
     """Shuffle sequences each epoch (seeded)."""
+    document_masking: bool = False
+    """Attention stays inside each packed document: `position_ids` restart after every EOS (HF models)."""
 
     def __post_init__(self) -> None:
         _positive(

@@ -45,6 +45,7 @@ __all__ = [
     "check_paths",
     "corpus_fingerprint",
     "decode",
+    "document_positions",
     "encode",
     "load_corpus",
     "read_documents",
@@ -183,6 +184,20 @@ class PackedDataset:
         windows = np.stack([self.tokens[i * s : i * s + s + 1] for i in indices]).astype(np.int64)
         data = torch.from_numpy(windows)
         return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+def document_positions(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """``position_ids`` that restart at each document: a document begins after every ``eos_id``.
+
+    The EOS ends its document (it is the last token that document attends to); the first token of
+    a row starts at 0 whether or not a document began there.
+    """
+    seq = input_ids.shape[1]
+    index = torch.arange(seq, device=input_ids.device).expand_as(input_ids)
+    starts = torch.zeros_like(input_ids, dtype=torch.bool)
+    starts[:, 1:] = input_ids[:, :-1] == eos_id
+    first = torch.where(starts, index, 0).cummax(dim=1).values
+    return index - first
 
 
 @dataclasses.dataclass

@@ -111,6 +111,7 @@ def check_recipe(recipe: Recipe, world_size: int, *, devices: bool = True) -> St
         )
     _check_sequence_shards(recipe, config)
     _check_loss(recipe, meta_model)
+    _check_document_masking(recipe)
     check_pipeline_recipe(recipe)
     check_vocabulary(recipe, check_data(recipe))
     return config
@@ -132,6 +133,22 @@ def _check_loss(recipe: Recipe, meta_model: nn.Module) -> None:
             "fsdp2 and ddp); use train.loss: full"
         )
     check_chunked_loss_model(meta_model)
+
+
+def _check_document_masking(recipe: Recipe) -> None:
+    """Refuse ``data.document_masking`` where the positions would not keep attention in a document."""
+    if not recipe.data.document_masking:
+        return
+    if recipe.parallel.pp_size > 1:
+        raise ValueError(
+            f"data.document_masking with parallel.pp_size {recipe.parallel.pp_size} is not supported (the "
+            "pipeline stages take the token ids only); use pp_size: 1"
+        )
+    if recipe.model.source != "hf":
+        raise ValueError(
+            f"data.document_masking needs a transformers model (model.source: hf), got model.source "
+            f"{recipe.model.source!r}: plait's reference decoders would attend across documents"
+        )
 
 
 def _check_sequence_shards(recipe: Recipe, config: StrategyConfig) -> None:

@@ -21,7 +21,7 @@ import yaml
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from plait.cp import shard_sequence
+from plait.cp import DOCUMENTS_KEY, shard_sequence
 from plait.mesh import (
     DistributedInfo,
     MeshContext,
@@ -39,6 +39,7 @@ from plait.train.data import (
     GlobalSampler,
     PackedDataset,
     check_corpus_ids,
+    document_positions,
     prepare_corpus,
     synthetic_images,
 )
@@ -146,6 +147,8 @@ class Trainer:
     def _batch(self, dataset: PackedDataset, indices: list[int]) -> dict[str, torch.Tensor]:
         inputs, labels = dataset.batch(indices)
         batch = {"input_ids": inputs.to(self.device), "labels": labels.to(self.device)}
+        if self.recipe.data.document_masking:  # the model (and cp) keep attention inside each document
+            batch["position_ids"] = document_positions(batch["input_ids"], self.tokenizer.eos_id)
         if self.recipe.model.source == "vlm":
             vision = getattr(self.model, "module", self.model).config.vision_config  # DDP wraps as .module
             images = synthetic_images(indices, vision.num_channels, vision.image_size, self.recipe.train.seed)
@@ -153,7 +156,7 @@ class Trainer:
         return shard_sequence(batch, self.ctx) if self.ctx.cp_size > 1 else batch  # this cp rank's tokens
 
     def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        keys = ("pixel_values", "position_ids")
+        keys = ("pixel_values", "position_ids", DOCUMENTS_KEY)
         kwargs = {k: batch[k] for k in keys if k in batch}
         return hf_logits(self.model(batch["input_ids"], **kwargs))
 
