@@ -30,7 +30,6 @@ def _four_ranks() -> list[tuple[Any, ...]]:
     return [
         float8_case("fsdp_tp", ParallelismSizes(tp_size=2), tensorwise),
         float8_case("hsdp_ac_full", ParallelismSizes(dp_replicate_size=2), tensorwise, "full"),
-        float8_case("fsdp_tp_ac_full", ParallelismSizes(tp_size=2), tensorwise, "full"),
     ]
 
 

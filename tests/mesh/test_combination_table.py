@@ -55,7 +55,7 @@ PP_NEW = "tests/pipeline/test_combination_parity.py::test_pipeline_combination_m
 F8_2 = "tests/float8/test_parity.py::test_float8_parity_on_two_ranks"
 """2 ranks, float8 (emulated): dp_shard 2 (tensorwise, rowwise, float8 all-gather), tp 2, tp 2 + selective AC."""
 F8_4 = "tests/float8/test_parity.py::test_float8_parity_on_four_ranks"
-"""4 ranks, float8 (emulated): dp_shard 2 x tp 2, HSDP 2 x 2 + full AC, dp_shard 2 x tp 2 + full AC."""
+"""4 ranks, float8 (emulated): dp_shard 2 x tp 2, HSDP 2 x 2 + full AC."""
 
 
 def _(*items: str) -> frozenset[str]:
