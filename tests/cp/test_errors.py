@@ -78,7 +78,7 @@ def test_config_names_the_variant() -> None:
     assert FSDP2Config().cp_attention == "all_gather"
     with pytest.raises(
         ValueError,
-        match=r"cp_attention must be one of \['all_gather', 'ring', 'all_to_all'\], got 'ulysses'",
+        match=r"cp_attention must be one of \['all_gather', 'ring', 'all_to_all', 'auto'\], got 'ulysses'",
     ):
         FSDP2Config(cp_attention="ulysses")
 

@@ -65,3 +65,22 @@ def test_plan_shows_the_cp_split_and_its_memory() -> None:
     # micro-batch 2 x 16 tokens x 2 KV heads x head_dim 8 x (K + V) x 4 bytes = 4 KiB per layer
     assert "K/V kept for backward 4.0 KiB (local; re-sent in backward)" in report
     assert "cp_attention:" in report
+
+
+def test_plan_prints_the_auto_choice_and_its_reason() -> None:
+    """4 query / 2 KV heads at cp 2: all_to_all would send Q, K, V, O halves, more than K/V once: all_gather."""
+    from plait.train.plan import plan
+    from plait.train.recipes import load_recipe
+
+    overrides = [*RECIPE, "parallel.cp_size=2", "parallel.options.cp_attention=auto"]
+    report = plan(load_recipe("hf_llama", overrides), 2)
+    assert (
+        "cp_attention=all_gather (auto: G 2 + r 1 >= cp 2: all_gather sends no more than all_to_all)"
+        in report
+    )
+    mha = plan(
+        load_recipe("hf_llama", [*overrides, "parallel.cp_size=4", "model.hf_config.num_key_value_heads=4"]),
+        4,
+    )
+    assert "cp_attention=all_to_all (auto: G 1 + r 1 < cp 4" in mha
+    assert "(every token of 1/cp of the heads)" in mha

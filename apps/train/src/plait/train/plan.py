@@ -12,6 +12,7 @@ each rank sends per optimizer step. Activations are not included.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from plait.cp import cp_attention_choice
 from plait.mesh import FSDP2Config, MeshContext, StrategyConfig
 from plait.sidecar import ParallelPlan, get_parallel_plan, plan_parallelism
 from plait.train.config import Recipe
@@ -173,30 +175,46 @@ def _cp_bytes(model: nn.Module, ctx: MeshContext, recipe: Recipe) -> float:
     """Bytes one rank sends per layer and micro-batch for cp attention (see docs/cp.md)."""
     kv, act_bytes = _cp_kv_bytes(model, ctx, recipe)
     cp, forwards = ctx.cp_size, 2 if ctx.activation_checkpointing else 1
+    variant = cp_attention_choice(model, ctx).variant
+    if variant == "all_to_all":  # Q, O and r repeats of K, V each way: (cp-1)/cp of them, per pass
+        group, repeats = _all_to_all_factors(model, ctx)
+        return float((forwards + 1) * (cp - 1) / cp * kv * (repeats + group))
     sent = forwards * (cp - 1) * kv + (cp - 1) * kv  # K/V out (forward, recompute) + dK/dV or K/V again
-    if ctx.strategy_config.cp_attention == "ring":
+    if variant == "ring":
         sent += cp * kv * 4 // act_bytes  # the fp32 dK/dV accumulators go round the ring too
     return float(sent)
+
+
+def _all_to_all_factors(model: nn.Module, ctx: MeshContext) -> tuple[int, int]:
+    """``(G query heads per KV head, r repeats of each local KV head)`` under ``all_to_all``."""
+    config = getattr(model, "config", None)
+    text = getattr(config, "text_config", None) or config
+    heads = int(getattr(text, "num_attention_heads", 1))
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    local_kv = max(kv_heads // ctx.tp_size, 1)
+    return heads // kv_heads, math.lcm(local_kv, ctx.cp_size) // local_kv
 
 
 def _cp_text(model: nn.Module, ctx: MeshContext, recipe: Recipe) -> str:
     cp, seq = ctx.cp_size, recipe.data.seq_len
     chunk = seq // (2 * cp)
     kv, act_bytes = _cp_kv_bytes(model, ctx, recipe)
-    variant = ctx.strategy_config.cp_attention
-    kept = kv * (cp if variant == "all_gather" else 1)
+    choice = cp_attention_choice(model, ctx)
+    variant = choice.variant
+    kept = {"all_gather": kv * cp, "ring": kv, "all_to_all": kv * _all_to_all_factors(model, ctx)[1]}[variant]
+    where = {
+        "all_gather": " (gathered from all cp ranks)",
+        "ring": " (local; re-sent in backward)",
+        "all_to_all": " (every token of 1/cp of the heads)",
+    }[variant]
     hidden = recipe.data.micro_batch_size * (seq // cp) * _model_dims(model)[0] * act_bytes
     return "\n".join(
         [
-            f"context parallel: cp={cp}, cp_attention={variant}: each sequence of {seq} tokens in {2 * cp} "
-            f"chunks of {chunk}; cp rank r holds chunks r and {2 * cp - 1}-r = {seq // cp} tokens per rank",
+            f"context parallel: cp={cp}, cp_attention={variant} ({choice.reason}): each sequence of {seq} "
+            f"tokens in {2 * cp} chunks of {chunk}; cp rank r holds chunks r and {2 * cp - 1}-r = {seq // cp} "
+            "tokens per rank",
             f"  per rank and layer (micro-batch {recipe.data.micro_batch_size}): hidden state "
-            f"{format_bytes(hidden)}, K/V kept for backward {format_bytes(kept)}"
-            + (
-                " (gathered from all cp ranks)"
-                if variant == "all_gather"
-                else " (local; re-sent in backward)"
-            ),
+            f"{format_bytes(hidden)}, K/V kept for backward {format_bytes(kept)}{where}",
         ]
     )
 

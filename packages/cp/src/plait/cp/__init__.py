@@ -1,7 +1,8 @@
 """Context parallelism: attention over a sequence split across the cp ranks, and the batch split."""
 
-from plait.cp.apply import apply_context_parallel, check_context_parallel_model
+from plait.cp.apply import apply_context_parallel, check_context_parallel_model, cp_attention_choice
 from plait.cp.attention import ContextParallelAttention
+from plait.cp.choice import CPAttentionChoice, choose_cp_attention, heads_of
 from plait.cp.layout import (
     DOCUMENTS_KEY,
     chunk_ids,
@@ -14,13 +15,17 @@ from plait.cp.layout import (
 
 __all__ = [
     "DOCUMENTS_KEY",
+    "CPAttentionChoice",
     "ContextParallelAttention",
     "apply_context_parallel",
     "check_context_parallel_model",
+    "choose_cp_attention",
     "chunk_ids",
+    "cp_attention_choice",
     "cp_mesh",
     "document_ids",
     "global_positions",
+    "heads_of",
     "shard_sequence",
     "unshard_sequence",
 ]

@@ -21,6 +21,7 @@ from torch import nn
 
 from plait.cp.all_to_all import all_to_all_refusal
 from plait.cp.attention import ContextParallelAttention
+from plait.cp.choice import CPAttentionChoice, choose_cp_attention
 from plait.cp.hf import attach_hf, hf_module_refusal, hf_refusal, is_hf_model
 from plait.cp.layout import DOCUMENTS_KEY, cp_mesh, global_positions
 
@@ -46,7 +47,14 @@ def check_context_parallel_model(
     fn_modules, hf_models = _find_attention(model)
     if mesh_context is not None and mesh_context.cp_size > 1:
         modules = fn_modules + [m for _, mods in hf_models for m in mods]
-        _check_heads(model, modules, mesh_context, variant or mesh_context.strategy_config.cp_attention)
+        chosen = variant or choose_cp_attention(modules, mesh_context).variant
+        _check_heads(model, modules, mesh_context, chosen)
+
+
+def cp_attention_choice(model: nn.Module, mesh_context: MeshContext) -> CPAttentionChoice:
+    """The variant the cp step gives ``model``'s attention under ``mesh_context``, and why (``auto`` resolved)."""
+    fn_modules, hf_models = _find_attention(model)
+    return choose_cp_attention(fn_modules + [m for _, mods in hf_models for m in mods], mesh_context)
 
 
 def apply_context_parallel(
@@ -54,7 +62,8 @@ def apply_context_parallel(
 ) -> nn.Module:
     """Make every attention of ``model`` attend over the cp-sharded sequence (no-op when cp is 1).
 
-    ``variant`` is the plan's CP attention (default: the config's ``cp_attention``). Inputs must then
+    ``variant`` is the plan's CP attention (default: the config's ``cp_attention``, ``auto`` resolved
+    by `plait.cp.choose_cp_attention`). Inputs must then
     be split with `plait.cp.shard_sequence` and the forward given its
     ``position_ids``; a forward without them, with a padding ``attention_mask``, ``labels`` (the
     model would shift them across chunk boundaries) or a KV cache is refused before it runs.
@@ -67,10 +76,11 @@ def apply_context_parallel(
     mesh = cp_mesh(mesh_context)
     if mesh is None:
         return model
-    variant = variant or mesh_context.strategy_config.cp_attention
-    attention = ContextParallelAttention(mesh, variant)
     fn_modules, hf_models = _find_attention(model)
-    _check_heads(model, fn_modules + [m for _, mods in hf_models for m in mods], mesh_context, variant)
+    modules = fn_modules + [m for _, mods in hf_models for m in mods]
+    variant = variant or choose_cp_attention(modules, mesh_context).variant
+    attention = ContextParallelAttention(mesh, variant)
+    _check_heads(model, modules, mesh_context, variant)
     for module in fn_modules:
         module.attention_fn = attention
     for hf_model, modules in hf_models:

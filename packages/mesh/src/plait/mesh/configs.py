@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 CP_ATTENTION_VARIANTS = ("all_gather", "ring", "all_to_all")
-"""Values of ``FSDP2Config.cp_attention``."""
+"""The context-parallel attention algorithms; ``FSDP2Config.cp_attention`` also takes ``"auto"``."""
 FLOAT8_SCALINGS = ("tensorwise", "rowwise")
 """Values of ``Float8Config.scaling`` (torchao's recipes of the same names)."""
 
@@ -183,7 +183,7 @@ class FSDP2Config(_Config):
     frozen_multimodal_sharding: str = "root"
     """Fully frozen towers/projectors: ``root`` (in the root unit), ``per_layer`` or ``replicate``."""
     cp_attention: str = "all_gather"
-    """Context-parallel attention (cp > 1): ``all_gather`` (gather K/V), ``ring`` (pass K/V round) or ``all_to_all`` (split heads)."""
+    """Context-parallel attention (cp > 1): ``all_gather`` (gather K/V), ``ring`` (pass K/V round), ``all_to_all`` (split heads) or ``auto`` (see docs/cp.md)."""
     float8: Float8Config | None = None
     """Float8 training of the eligible linears (needs torchao: ``plait-float8[torchao]``); YAML: a dict, true or null."""
 
@@ -208,9 +208,9 @@ class FSDP2Config(_Config):
                 "FSDP2Config.enable_async_tensor_parallel=True needs sequence_parallel=True; "
                 "turn sequence_parallel on or async TP off"
             )
-        if self.cp_attention not in CP_ATTENTION_VARIANTS:
+        if self.cp_attention not in (*CP_ATTENTION_VARIANTS, "auto"):
             raise ValueError(
-                f"FSDP2Config.cp_attention must be one of {list(CP_ATTENTION_VARIANTS)}, got {self.cp_attention!r}"
+                f"FSDP2Config.cp_attention must be one of {[*CP_ATTENTION_VARIANTS, 'auto']}, got {self.cp_attention!r}"
             )
 
 

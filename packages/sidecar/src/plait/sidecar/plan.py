@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from plait.cp import check_context_parallel_model
+from plait.cp import check_context_parallel_model, cp_attention_choice
 from plait.float8 import Float8Plan, float8_tp_plan, plan_float8
 from plait.mesh import FSDP2Config, MeshContext, check_combination, context_request, strategy_name
 from plait.sharding import (
@@ -290,7 +290,7 @@ def _cp_decisions(model: nn.Module, mesh_context: MeshContext) -> dict[str, Any]
     if mesh_context.cp_size == 1:
         return {}
     check_context_parallel_model(model)
-    return {"cp_attention": mesh_context.strategy_config.cp_attention}
+    return {"cp_attention": cp_attention_choice(model, mesh_context).variant}  # "auto" resolved
 
 
 def _ac_decisions(
