@@ -74,6 +74,16 @@ def test_the_flow_converts_exactly_the_planned_linears_before_tp_and_fsdp() -> N
     assert not isinstance(model.lm_head, Float8Linear)
 
 
+@pytest.mark.parametrize(("scaling", "granularity"), [("tensorwise", "TENSORWISE"), ("rowwise", "AXISWISE")])
+def test_the_converted_linears_run_the_planned_recipe(scaling: str, granularity: str) -> None:
+    with fake_process_group(2):
+        model = parallelize_model(_meta(), _ctx(scaling=scaling, fsdp_all_gather=scaling == "tensorwise"))
+    configs = {type(m).__name__: m.config for m in model.modules() if isinstance(m, Float8Linear)}
+    config = configs["Float8Linear"]
+    assert config.cast_config_weight.scaling_granularity.name == granularity
+    assert config.emulate and config.enable_fsdp_float8_all_gather == (scaling == "tensorwise")
+
+
 def test_include_and_skip_patterns_and_the_empty_result() -> None:
     model = DenseDecoder(DecoderConfig())
     only_mlp = plan_float8(model, Float8Config(include=["*.mlp.*"], skip=["*.gate_proj"]), device_type="cpu")
