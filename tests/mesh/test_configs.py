@@ -11,7 +11,9 @@ from plait.mesh import (
     FSDP2Config,
     MegatronFSDPConfig,
     MoEConfig,
+    ParallelismSizes,
     normalize_strategy_name,
+    plan_meshes,
     strategy_config_from_dict,
     strategy_name,
 )
@@ -166,3 +168,18 @@ def test_strategy_config_from_dict_both_forms():
         strategy_config_from_dict({"name": "ddp", "sequence_parallel": True})
     with pytest.raises(TypeError, match="unsupported strategy config 'fsdp2'"):
         strategy_name("fsdp2")
+
+
+def test_reshard_after_forward_int_is_a_group_that_divides_the_shard_group() -> None:
+    """hpZ: an int >= 2 dividing dp_shard x cp; 1, a non-divisor and expert parallel are refused by value."""
+
+    assert FSDP2Config(reshard_after_forward=2).reshard_after_forward == 2
+    plan_meshes(FSDP2Config(reshard_after_forward=2), ParallelismSizes(cp_size=2), world_size=4)
+    with pytest.raises(ValueError, match=r"reshard_after_forward=1: .* must be >= 2; use False"):
+        FSDP2Config(reshard_after_forward=1)
+    with pytest.raises(
+        ValueError, match=r"=3 must divide the FSDP shard group of 4 ranks .*use one of \[2, 4\]"
+    ):
+        plan_meshes(FSDP2Config(reshard_after_forward=3), ParallelismSizes(), world_size=4)
+    with pytest.raises(ValueError, match=r"=2 with ep_size=2 is not supported"):
+        plan_meshes(FSDP2Config(reshard_after_forward=2), ParallelismSizes(ep_size=2), world_size=4)

@@ -81,3 +81,41 @@ def test_parallelize_model_matches_unsharded_reference(kind: str) -> None:
         assert by_case["hsdp"]["meshes"] == {("dp_replicate", "dp_shard")}
         for case in ("fsdp_tp", "fsdp_tp_sp", "fsdp_tp_ac"):
             assert by_case[case]["meshes"] == {("dp_shard", "tp")}, (case, by_case[case])
+
+
+def _post_forward_group_sizes(model: nn.Module) -> list[tuple[str, int]]:
+    """The group each FSDP unit keeps its parameters sharded over between forward and backward (0: gathered)."""
+    sizes = []
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            info = group.post_forward_mesh_info if group is not None else None
+            sizes.append((name, info.shard_mesh_size if info is not None else 0))
+    return sizes
+
+
+def _hpz(kind: str) -> Parity:
+    ctx = MeshContext.build(FSDP2Config(mp_policy=None, reshard_after_forward=2), ParallelismSizes())
+    return run_parity(
+        f"{kind}/hpz",
+        lambda: build_model(kind),
+        ctx,
+        VOCAB,
+        inspect=lambda m: {"groups": _post_forward_group_sizes(m)},
+    )
+
+
+def _hpz_cases(kind: str) -> list[Parity]:
+    return [_hpz(kind)]
+
+
+@pytest.mark.parametrize("kind", ["dense", "llama"])
+def test_reshard_after_forward_to_a_group_of_two(kind: str) -> None:
+    """dp_shard 4, reshard_after_forward=2 (hpZ): every layer unit re-shards to pairs, the input table
+    fully (needed last in backward), the root and the head stay gathered."""
+    results = run_on_ranks(_hpz_cases, 4, kind)
+    assert_parity(results)
+    for (parity,) in results:
+        groups = dict(parity.extra["groups"])
+        assert [size for name, size in groups.items() if ".layers." in name] == [2, 2], groups
+        assert groups[""] == 0 and groups["model.embed_tokens"] == 4, groups

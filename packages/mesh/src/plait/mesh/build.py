@@ -101,6 +101,25 @@ def _default_world_size() -> int:
     return dist.get_world_size()
 
 
+def _check_reshard_group(config: FSDP2Config, sizes: ParallelismSizes) -> None:
+    """An int ``reshard_after_forward`` must divide the shard group its layer units shard over."""
+    value = config.reshard_after_forward
+    if isinstance(value, bool) or not isinstance(value, int):
+        return
+    shard = sizes.dp_shard_size * sizes.cp_size
+    if sizes.ep_size > 1:
+        raise ValueError(
+            f"FSDP2Config.reshard_after_forward={value} with ep_size={sizes.ep_size} is not supported (expert "
+            "units shard over another group); use True or False with expert parallel"
+        )
+    if shard % value:
+        divisors = [d for d in range(2, shard + 1) if shard % d == 0]
+        raise ValueError(
+            f"FSDP2Config.reshard_after_forward={value} must divide the FSDP shard group of {shard} ranks "
+            f"(dp_shard {sizes.dp_shard_size} x cp {sizes.cp_size}); use one of {divisors} or True"
+        )
+
+
 def plan_meshes(
     strategy_config: StrategyConfig,
     sizes: ParallelismSizes | None = None,
@@ -138,6 +157,7 @@ def plan_meshes(
     if isinstance(strategy_config, FSDP2Config):
         if strategy_config.sequence_parallel and resolved.tp_size == 1:
             warnings.warn("FSDP2Config.sequence_parallel is ignored because tp_size is 1", stacklevel=3)
+        _check_reshard_group(strategy_config, resolved)
         s = resolved
         shape = (s.pp_size, s.dp_replicate_size, s.dp_shard_size, s.cp_size, s.tp_size)
         return MeshPlan(strategy, resolved, rank_list, FSDP2_DIMS, shape, tuple(FSDP2_FLATTENED.items()))

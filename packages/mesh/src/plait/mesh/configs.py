@@ -168,8 +168,10 @@ class FSDP2Config(_Config):
     """Parameter offload; YAML: ``cpu`` or ``{pin_memory: bool}``; None = keep on device."""
     activation_checkpointing_scope: tuple[str, ...] | str = "all"
     """Layer groups to checkpoint (all, language, vision, audio, multimodal); stored as a tuple."""
-    reshard_after_forward: bool | None = None
-    """Free gathered parameters after forward; None = per-unit default (all but the last of a container)."""
+    reshard_after_forward: bool | int | None = None
+    """Free gathered parameters after forward; None = per-unit default (all but the last of a container).
+    An int N >= 2 keeps them sharded over groups of N ranks instead (ZeRO++'s hpZ: backward all-gathers
+    within the group); N must divide the FSDP shard group (dp_shard x cp)."""
     enable_async_tensor_parallel: bool = False
     """Overlap TP communication with compute (needs sequence_parallel and CUDA)."""
     enable_compile: bool = False
@@ -207,6 +209,12 @@ class FSDP2Config(_Config):
             raise ValueError(
                 "FSDP2Config.enable_async_tensor_parallel=True needs sequence_parallel=True; "
                 "turn sequence_parallel on or async TP off"
+            )
+        value = self.reshard_after_forward
+        if not isinstance(value, bool) and isinstance(value, int) and value < 2:
+            raise ValueError(
+                f"FSDP2Config.reshard_after_forward={value}: an int is the group size parameters stay "
+                "sharded over after forward and must be >= 2; use False to keep them gathered"
             )
         if self.cp_attention not in (*CP_ATTENTION_VARIANTS, "auto"):
             raise ValueError(
