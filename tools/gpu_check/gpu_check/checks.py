@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from plait.mesh import FSDP2Config, init_distributed
+from plait.mesh import (
+    Float8Config,
+    FSDP2Config,
+    ParallelismSizes,
+    check_combination,
+    combination_request,
+    init_distributed,
+)
 
 __all__ = ["FLOAT8_VARIANTS", "async_tp_check", "float8_skip_reason", "init_process_group"]
 
@@ -44,8 +50,11 @@ def async_tp_check(device: torch.device) -> dict[str, Any]:
 
 
 def float8_skip_reason() -> str:
-    """Why the float8 variants are skipped (names an FSDP2Config float8 field once plait has one)."""
-    found = [f.name for f in dataclasses.fields(FSDP2Config) if "float8" in f.name]
-    if found:
-        return f"FSDP2Config has {', '.join(found)} now, but tools/gpu_check does not drive it yet"
-    return "float8 is not built in plait yet (issue #28 item 1)"
+    """Why the compile + float8 variants are skipped: the combination table's refusal, verbatim."""
+
+    config = FSDP2Config(float8=Float8Config(), enable_compile=True)
+    try:
+        check_combination(combination_request(config, ParallelismSizes(dp_size=1)))
+    except ValueError as err:
+        return f"refused by plait: {err}"
+    return "plait builds float8 with compile now, but tools/gpu_check does not drive it yet"

@@ -34,6 +34,7 @@ _FIRST_CLASS_OPTIONS = {
     "sequence_parallel": "parallel.sequence_parallel",
     "enable_compile": "parallel.compile",
     "mp_policy": "parallel.mixed_precision",
+    "float8": "parallel.float8",
 }
 """Strategy-config keys that have a first-class recipe field: one spelling per setting."""
 
@@ -108,6 +109,8 @@ class ParallelConfig:
     """`bf16`: bf16 compute with fp32 master weights and fp32 gradient reduction."""
     compile: bool = False
     """torch.compile each transformer layer after parallelization."""
+    float8: dict[str, Any] | bool | None = None
+    """fsdp2: float8 linears (`plait.mesh.Float8Config` fields, e.g. `{scaling: tensorwise}`; `true` = defaults)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Extra strategy-config keys (e.g. `fsdp2_forward_prefetch_depth: 2`); not the first-class ones above."""
 

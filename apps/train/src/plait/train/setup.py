@@ -50,6 +50,13 @@ def strategy_config(recipe: Recipe) -> StrategyConfig:
         if p.mixed_precision == "fp32":
             options.setdefault("mp_policy", None)
         options.setdefault("enable_compile", p.compile)
+        if p.float8 not in (None, False):
+            options["float8"] = p.float8
+    elif p.float8 not in (None, False):
+        raise ValueError(
+            f"parallel.float8 needs parallel.strategy 'fsdp2' (got {p.strategy!r}): float8 is a step of the "
+            "FSDP2 flow; set parallel.float8: null or use fsdp2"
+        )
     elif p.mixed_precision != "fp32":
         raise ValueError(
             f"parallel.mixed_precision {p.mixed_precision!r} needs parallel.strategy 'fsdp2' "

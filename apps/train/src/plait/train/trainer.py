@@ -22,6 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from plait.cp import DOCUMENTS_KEY, shard_sequence
+from plait.float8 import precompute_float8_scales
 from plait.mesh import (
     DistributedInfo,
     MeshContext,
@@ -195,6 +196,7 @@ class Trainer:
         check_finite(self.step, loss, float(grad_norm))  # before the step: no NaN weights, no NaN checkpoint
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
+        precompute_float8_scales(self.model)  # FSDP float8 all-gather: the next step's weight scales
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         speed = throughput(
