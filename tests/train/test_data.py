@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from plait.train.batches import GlobalSampler, PackedDataset
 from plait.train.config import DataConfig
-from plait.train.data import EOS, GlobalSampler, PackedDataset, load_corpus, read_documents, stdlib_files
+from plait.train.data import EOS, load_corpus, read_documents, stdlib_files
 
 
 def test_stdlib_corpus_is_sorted_deterministic_and_excludes_site_packages():

@@ -32,18 +32,11 @@ from plait.mesh import (
     init_distributed,
 )
 from plait.pipeline import Pipeline
+from plait.train.batches import GlobalSampler, PackedDataset, document_positions, synthetic_images
 from plait.train.checkpoint import Checkpointer, step_dir_name
 from plait.train.checks import check_vocabulary
 from plait.train.config import Recipe, to_dict
-from plait.train.data import (
-    Corpus,
-    GlobalSampler,
-    PackedDataset,
-    check_corpus_ids,
-    document_positions,
-    prepare_corpus,
-    synthetic_images,
-)
+from plait.train.data import Corpus, check_corpus_ids, prepare_corpus
 from plait.train.errors import Stopped
 from plait.train.export import export_model
 from plait.train.integrity import check_finite
