@@ -47,7 +47,7 @@ CP_FEATURE_MODELS: dict[str, dict[str, Any]] = {
         "sliding_window": 5,
         "intermediate_size": 16,
         "num_local_experts": 4,
-        "num_experts_per_tok": 2,
+        "num_experts_per_tok": 4,  # every expert: no top-k choice another CPU's rounding could flip
         "head_dim": 8,
     },
 }
