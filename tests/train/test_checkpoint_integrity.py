@@ -164,6 +164,7 @@ def test_a_checkpoint_of_another_shape_or_an_exhausted_step_count_is_refused(sav
     )
     (done,) = run_on_ranks(train, 1, str(run_dir), ["parallel.tp_size=1", "train.steps=4"])
     assert "is at step 4 and train.steps is 4: nothing left to train" in done["error"], done["error"]
+    assert "or start a separate run with --set name=<new name>" in done["error"], done["error"]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
 
 

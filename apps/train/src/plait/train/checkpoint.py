@@ -379,7 +379,7 @@ class Checkpointer:
         if step >= steps:
             raise CheckpointError(
                 f"checkpoint {str(path)!r} is at step {step} and train.steps is {steps}: nothing left to train; "
-                f"raise train.steps above {step} to continue"
+                f"raise train.steps above {step} to continue, or start a separate run with --set name=<new name>"
             )
         # On every rank, before DCP's collectives: a crafted file is refused here in one line.
         read_metadata(path)
