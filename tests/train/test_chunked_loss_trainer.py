@@ -79,3 +79,10 @@ def test_chunked_loss_is_refused_where_not_built(recipe: str, overrides: list[st
     loaded = load_recipe(recipe, [*RECIPE, *CHUNKED, *overrides] if recipe == "hf_llama" else [*CHUNKED])
     with pytest.raises(ValueError, match=match):
         check_recipe(loaded, 4, devices=False)
+
+
+def test_a_chunk_size_without_the_chunked_loss_is_refused() -> None:
+    from plait.train.recipes import load_recipe
+
+    with pytest.raises(ValueError, match=r"train.loss_chunk_tokens 7 is only read with train.loss: chunked"):
+        load_recipe("hf_llama", ["train.loss_chunk_tokens=7"])

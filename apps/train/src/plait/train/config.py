@@ -230,14 +230,19 @@ class TrainConfig:
     """Also write metrics as TensorBoard events under `<run dir>/tensorboard/` (extra `tensorboard`)."""
     loss: Literal["full", "chunked"] = "full"
     """`chunked`: the head's matmul and the cross-entropy run `loss_chunk_tokens` tokens at a time (no full logits)."""
-    loss_chunk_tokens: int = 1024
-    """Tokens per chunk of the chunked loss (its largest block: this many tokens x the local vocabulary, fp32)."""
+    loss_chunk_tokens: int | None = None
+    """Tokens per chunk of `loss: chunked` (None = 1024; its largest block: this many tokens x the local vocabulary, fp32)."""
 
     def __post_init__(self) -> None:
         _positive("train", steps=self.steps, grad_accum=self.grad_accum, val_batches=self.val_batches)
         _positive("train", log_every=self.log_every, loss_chunk_tokens=self.loss_chunk_tokens)
         if self.loss not in ("full", "chunked"):
             raise ValueError(f"train.loss must be 'full' or 'chunked', got {self.loss!r}")
+        if self.loss_chunk_tokens is not None and self.loss != "chunked":
+            raise ValueError(
+                f"train.loss_chunk_tokens {self.loss_chunk_tokens} is only read with train.loss: chunked, got "
+                f"train.loss {self.loss!r}"
+            )
         if self.val_every < 0:
             raise ValueError(f"train.val_every must be >= 0, got {self.val_every!r}")
 

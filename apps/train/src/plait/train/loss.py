@@ -47,14 +47,16 @@ class TokenLoss:
 
     model: nn.Module
     chunked: bool
-    chunk_tokens: int
+    chunk_tokens: int | None = None
+    """None: `plait.sidecar`'s default."""
 
     def __call__(
         self, forward: Callable[[], torch.Tensor], labels: torch.Tensor, scale: float | None
     ) -> torch.Tensor:
         """The sum over ``labels`` of ``forward()``'s loss; back-propagated times ``scale`` unless None."""
         if self.chunked:
-            with chunked_loss(self.model, labels, chunk_tokens=self.chunk_tokens, ignore_index=IGNORE_INDEX):
+            chunk = {} if self.chunk_tokens is None else {"chunk_tokens": self.chunk_tokens}
+            with chunked_loss(self.model, labels, ignore_index=IGNORE_INDEX, **chunk):
                 losses = forward()  # the model's output: per-token losses in place of logits
             total = chunked_loss_sum(losses, labels)
             if scale is not None:
