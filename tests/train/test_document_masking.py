@@ -83,6 +83,7 @@ def test_cp2_trains_as_cp1_with_documents(tmp_path: Path) -> None:
     [
         ("dense_fsdp2", r"data.document_masking needs a transformers model"),
         ("pipeline", r"data.document_masking with parallel.pp_size 2 is not supported"),
+        ("vlm_frozen_tower", r"data.document_masking is not supported for a multimodal model"),
     ],
 )
 def test_document_masking_is_refused_where_not_built(recipe: str, match: str) -> None:

@@ -118,7 +118,7 @@ def check_recipe(recipe: Recipe, world_size: int, *, devices: bool = True) -> St
         )
     _check_sequence_shards(recipe, config)
     _check_loss(recipe, meta_model)
-    _check_document_masking(recipe)
+    _check_document_masking(recipe, meta_model)
     check_pipeline_recipe(recipe)
     check_vocabulary(recipe, check_data(recipe))
     return config
@@ -142,10 +142,15 @@ def _check_loss(recipe: Recipe, meta_model: nn.Module) -> None:
     check_chunked_loss_model(meta_model)
 
 
-def _check_document_masking(recipe: Recipe) -> None:
+def _check_document_masking(recipe: Recipe, meta_model: nn.Module) -> None:
     """Refuse ``data.document_masking`` where the positions would not keep attention in a document."""
     if not recipe.data.document_masking:
         return
+    if "multimodal" in model_features(meta_model):
+        raise ValueError(
+            "data.document_masking is not supported for a multimodal model (its position ids are not one "
+            "text sequence's); set data.document_masking: false"
+        )
     if recipe.parallel.pp_size > 1:
         raise ValueError(
             f"data.document_masking with parallel.pp_size {recipe.parallel.pp_size} is not supported (the "
