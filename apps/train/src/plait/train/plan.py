@@ -12,7 +12,6 @@ each rank sends per optimizer step. Activations are not included.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from plait.cp import cp_attention_choice
+from plait.cp import cp_attention_choice, kv_repeats
 from plait.mesh import FSDP2Config, MeshContext, StrategyConfig
 from plait.sidecar import ParallelPlan, get_parallel_plan, plan_parallelism
 from plait.train.config import Recipe
@@ -191,8 +190,7 @@ def _all_to_all_factors(model: nn.Module, ctx: MeshContext) -> tuple[int, int]:
     text = getattr(config, "text_config", None) or config
     heads = int(getattr(text, "num_attention_heads", 1))
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-    local_kv = max(kv_heads // ctx.tp_size, 1)
-    return heads // kv_heads, math.lcm(local_kv, ctx.cp_size) // local_kv
+    return heads // kv_heads, kv_repeats(max(kv_heads // ctx.tp_size, 1), ctx.cp_size)
 
 
 def _cp_text(model: nn.Module, ctx: MeshContext, recipe: Recipe) -> str:

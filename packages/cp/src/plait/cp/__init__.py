@@ -1,5 +1,6 @@
 """Context parallelism: attention over a sequence split across the cp ranks, and the batch split."""
 
+from plait.cp.all_to_all import kv_repeats
 from plait.cp.apply import apply_context_parallel, check_context_parallel_model, cp_attention_choice
 from plait.cp.attention import ContextParallelAttention
 from plait.cp.choice import CPAttentionChoice, choose_cp_attention, heads_of
@@ -26,6 +27,7 @@ __all__ = [
     "document_ids",
     "global_positions",
     "heads_of",
+    "kv_repeats",
     "shard_sequence",
     "unshard_sequence",
 ]

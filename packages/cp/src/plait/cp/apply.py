@@ -21,7 +21,7 @@ from torch import nn
 
 from plait.cp.all_to_all import all_to_all_refusal
 from plait.cp.attention import ContextParallelAttention
-from plait.cp.choice import CPAttentionChoice, choose_cp_attention
+from plait.cp.choice import CPAttentionChoice, choose_cp_attention, heads_of
 from plait.cp.hf import attach_hf, hf_module_refusal, hf_refusal, is_hf_model
 from plait.cp.layout import DOCUMENTS_KEY, cp_mesh, global_positions
 
@@ -143,10 +143,8 @@ def _check_heads(model: nn.Module, modules: list[nn.Module], mesh_context: MeshC
     names = {id(m): n for n, m in model.named_modules()}
     problems = []
     for module in modules:
-        heads = getattr(module, "num_heads", None) or getattr(
-            getattr(module, "config", None), "num_attention_heads", None
-        )
-        if not isinstance(heads, int) or heads % mesh_context.tp_size:
+        heads = heads_of(module)[0]
+        if heads is None or heads % mesh_context.tp_size:
             continue  # unknown here, or refused by tensor parallel itself
         why = all_to_all_refusal(heads // mesh_context.tp_size, mesh_context.cp_size)
         if why is not None:
