@@ -42,6 +42,7 @@ from plait.train.summary import (
 __all__ = [
     "MAX_WORLD_SIZE",
     "CommEstimate",
+    "batch_assumed",
     "DryRun",
     "comm_estimate",
     "dry_run",
@@ -95,11 +96,24 @@ class CommEstimate:
     def total(self) -> float:
         return sum(vars(self).values())
 
-    def text(self) -> str:
+    def text(self, assumes: str = "") -> str:
+        """The total and each collective; ``assumes`` names the batch the figure is for."""
         rows = [f"  {k}: {format_bytes(v)}" for k, v in vars(self).items() if v]
+        where = f"; {assumes}" if assumes else ""
         return "\n".join(
-            [f"communication per step (sent by one rank, estimate): {format_bytes(self.total)}", *rows]
+            [f"communication per step (sent by one rank, estimate{where}): {format_bytes(self.total)}", *rows]
         )
+
+
+def batch_assumed(recipe: Recipe, ctx: MeshContext, world_size: int) -> str:
+    """The batch a per-step traffic figure is for: micro-batch x sequence, micro-batches, global batch."""
+    data, accum = recipe.data, recipe.train.grad_accum
+    dp = ctx.dp_size or world_size
+    return (
+        f"micro-batch {data.micro_batch_size} x seq {data.seq_len} tokens, {accum} micro-batch"
+        f"{'es' if accum != 1 else ''} per step (train.grad_accum), global batch "
+        f"{data.micro_batch_size * dp * accum} sequences over dp {dp}"
+    )
 
 
 def _model_dims(model: nn.Module) -> tuple[int, int, int]:
@@ -348,7 +362,7 @@ def plan(recipe: Recipe, world_size: int) -> str:
             *([run.stages] if run.stages else []),
             _memory_text(model),
             *([_cp_text(model, ctx, recipe)] if ctx.cp_size > 1 else []),
-            comm_estimate(model, ctx, recipe, world_size).text(),
+            comm_estimate(model, ctx, recipe, world_size).text(batch_assumed(recipe, ctx, world_size)),
             f"planned in {time.perf_counter() - start:.1f} s",
         ]
     return "\n".join(report)
