@@ -14,7 +14,7 @@ import torch
 from plait.mesh import MeshContext
 from plait.pipeline import Pipeline, PipelineConfig, find_decoder_parts, pipeline_model, plan_stages
 from plait.train.config import Recipe
-from plait.train.init import SafetensorsSource, materialize
+from plait.train.init import SafetensorsSource, materialize, materializing, progress
 from plait.train.models import build_model
 from plait.train.summary import format_bytes
 
@@ -82,13 +82,16 @@ def build_pipeline(
     source = SafetensorsSource(cfg.pretrained_path) if cfg.pretrained_path else None
     seed = recipe.train.seed
     model = build_model(cfg, "meta" if meta else "cpu")
+    what = " (from model.pretrained_path)" if source is not None else ""
     if not meta:
-        materialize(model, seed=seed, device="cpu", source=source)
-        model.to(device)
+        with progress(materializing(model, "cpu", seed) + what):
+            materialize(model, seed=seed, device="cpu", source=source)
+            model.to(device)
     pipe = pipeline_model(model, ctx, loss_fn, pipeline_config(recipe))
     if meta and materialise:
-        for module in pipe.modules:  # full-model names: each stage gets the same values as at pp=1
-            materialize(module, seed=seed, device=device, source=source)
+        with progress(f"{materializing(pipe.state_module(), device, seed)}{what}, rank 0's stages"):
+            for module in pipe.modules:  # full-model names: each stage gets the same values as at pp=1
+                materialize(module, seed=seed, device=device, source=source)
     return pipe
 
 

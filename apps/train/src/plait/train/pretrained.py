@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-__all__ = ["check_pretrained", "load_pretrained", "pretrained_shapes"]
+__all__ = ["check_pretrained", "load_pretrained", "loading_text", "pretrained_shapes"]
 
 _SHOWN = 3
 
@@ -49,6 +49,16 @@ def pretrained_shapes(path: str | Path) -> dict[str, list[int]]:
             for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                 shapes[key] = list(f.get_slice(key).get_shape())
     return shapes
+
+
+def loading_text(path: str | Path) -> str:
+    """The progress text of loading ``path``: how many ``*.safetensors`` files, how many bytes."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
+    return (
+        f"loading pretrained weights from {path}: {len(files)} file{'s' if len(files) != 1 else ''}, "
+        f"{size / 2**20:,.1f} MiB"
+    )
 
 
 def _storage(tensor: torch.Tensor) -> int:

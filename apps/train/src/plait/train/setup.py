@@ -25,10 +25,10 @@ from plait.sidecar import check_chunked_loss_model, model_features, parallelize_
 from plait.train.checks import check_data, check_devices, check_vocabulary
 from plait.train.config import Recipe
 from plait.train.errors import phase
-from plait.train.init import clean_fqn, materialize
+from plait.train.init import clean_fqn, materialize, materializing, progress
 from plait.train.models import build_model
 from plait.train.pipelining import check_pipeline_recipe
-from plait.train.pretrained import check_pretrained, load_pretrained
+from plait.train.pretrained import check_pretrained, load_pretrained, loading_text
 
 __all__ = [
     "build_mesh_context",
@@ -211,19 +211,25 @@ def build_parallel_model(
 
     With ``model.meta_init`` (and not DDP, which broadcasts real weights when it wraps) the model
     is built on the meta device and only the local shards are allocated after parallelization.
-    ``materialise=False`` keeps a meta model meta (the ``plan`` dry run).
+    ``materialise=False`` keeps a meta model meta (the ``plan`` dry run). Rank 0 prints one line
+    for materialising and one for loading pretrained weights, each with its size and time.
     """
     cfg = recipe.model
     meta = (cfg.meta_init or not materialise) and recipe.parallel.strategy != "ddp"
     seed = recipe.train.seed
     model = build_model(cfg, "meta" if meta else "cpu")
     if not meta:
-        materialize(model, seed=seed, device="cpu")
-        model.to(device)
+        with progress(materializing(model, "cpu", seed)):
+            materialize(model, seed=seed, device="cpu")
+            model.to(device)
     model = parallelize_model(model, ctx)
     if meta and materialise:
-        materialize(model, seed=seed, device=device)
+        with progress(materializing(model, device, seed)):
+            materialize(model, seed=seed, device=device)
     if cfg.pretrained_path and materialise:
-        with phase(f"model.pretrained_path {cfg.pretrained_path!r}"):
+        with (
+            phase(f"model.pretrained_path {cfg.pretrained_path!r}"),
+            progress(loading_text(cfg.pretrained_path)),
+        ):
             load_pretrained(model, cfg.pretrained_path)  # each rank reads only its slices
     return model
