@@ -2,7 +2,8 @@
 
 The MoE parity tests in tests/sidecar/test_moe.py assert that every token's k-th router logit stays
 ``MIN_MARGIN`` (relative) above its (k+1)-th through all steps they compare; this finds seeds that do.
-Usage: ``uv run python tools/moe_margin_scan.py FIRST_SEED LAST_SEED`` (prints JSON per config).
+Usage: ``uv run python tools/moe_margin_scan.py FIRST_SEED LAST_SEED [DP]`` (prints JSON per config; DP is
+the number of data-parallel rows of the global batch, 4 unless given: 2 for dp_shard 2 x cp 2).
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ def smallest_margin(cfg: MoEDecoderConfig, seed: int, dp: int = 4) -> float:
 
 def main() -> None:
     first, last = int(sys.argv[1]), int(sys.argv[2])
+    dp = int(sys.argv[3]) if len(sys.argv) > 3 else 4
     for name, cfg in CONFIGS.items():
-        good = {s: m for s in range(first, last) if (m := smallest_margin(cfg, s)) >= MIN_MARGIN}
+        good = {s: m for s in range(first, last) if (m := smallest_margin(cfg, s, dp)) >= MIN_MARGIN}
         print(json.dumps({"config": name, "seeds_with_margin": good}))
 
 

@@ -100,6 +100,7 @@ BUILT_BY: dict[frozenset[str], str] = {
     _("ac_full", "ep"): EP_AC,
     _("ac_selective", "ep"): f"{NEW}[ep_ac_selective]",
     _("dp_replicate", "ep"): f"{NEW}[hsdp_ep]",
+    _("cp", "ep"): f"{NEW}[cp_ep]",
     # per-layer compile
     _("compile", "fsdp2"): f"{COMPILED}[compile_tp_sp_ac_selective]",
     _("compile", "dp_shard"): f"{COMPILED}[compile_tp_sp_ac_selective]",

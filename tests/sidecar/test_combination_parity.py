@@ -55,6 +55,8 @@ class Case:
     ac: str | bool = False
     meshes: tuple[str, ...] = ()
     """Mesh dims some parameter must be sharded or replicated over (proof that the axes were applied)."""
+    seed: int = MOE_SEED
+    """The MoE model's init seed: another where ``MOE_SEED``'s router margin is too thin on the case's batches."""
 
 
 CASES: dict[str, Case] = {
@@ -72,6 +74,18 @@ CASES: dict[str, Case] = {
     # ep x ac_selective (routing saved, not recomputed); dp_replicate x ep
     "ep_ac_selective": Case(4, "moe", {"ep_size": 2}, ac="selective", meshes=("ep",)),
     "hsdp_ep": Case(4, "moe", {"dp_replicate_size": 2, "ep_size": 2}, meshes=("dp_replicate", "ep")),
+    # cp x ep: the expert mesh folds over dp_shard x cp; with selective AC the routing is saved
+    # (2 data-parallel rows a batch: seed 5 keeps a 1.7e-3 margin there, tools/moe_margin_scan.py 0 40 2)
+    "cp_ep": Case(4, "moe", {"cp_size": 2, "ep_size": 2}, meshes=("dp_shard_cp", "ep"), seed=5),
+    "cp_ep_ac_selective": Case(
+        4,
+        "moe",
+        {"cp_size": 2, "ep_size": 2},
+        {"cp_attention": "ring"},
+        "selective",
+        ("dp_shard_cp", "ep"),
+        seed=5,
+    ),
     # dp_replicate x tp, dp_replicate x sp, dp_replicate x cp: FSDP2 refuses pure replication
     # (dp_replicate == dp), so these need dp_shard 2 as well: 8 ranks.
     "hsdp_tp_sp": Case(
@@ -99,11 +113,11 @@ COMPILED: dict[str, Case] = {
 }
 
 
-def _build(kind: str) -> nn.Module:
+def _build(kind: str, seed: int = MOE_SEED) -> nn.Module:
     """The seeded model of a case (``paired`` seeds 0 before calling this)."""
     if kind == "dense":
         return DenseDecoder(DecoderConfig(vocab_size=VOCAB))
-    torch.manual_seed(MOE_SEED)
+    torch.manual_seed(seed)
     return MoEDecoder(MOE)
 
 
@@ -149,7 +163,7 @@ def _parity(name: str, case: Case) -> tuple[Parity, Margins | None]:
     margins = Margins() if case.model == "moe" else None
     dp = ctx.dp_mesh()
     parity = run_parity(
-        paired(lambda: _build(case.model), parallelize),
+        paired(lambda: _build(case.model, case.seed), parallelize),
         _batches(dp.size()),
         dp_rank=dp.get_local_rank(),
         case=name,

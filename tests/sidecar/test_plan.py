@@ -136,7 +136,6 @@ def test_plan_names_the_tp_plan_source_and_every_decision() -> None:
 @pytest.mark.parametrize(
     ("sizes", "config", "ac", "model"),
     [
-        (ParallelismSizes(cp_size=2, ep_size=2), FSDP2Config(), False, _moe),
         (ParallelismSizes(tp_size=2, ep_size=2), FSDP2Config(sequence_parallel=True), False, _moe),
         (ParallelismSizes(tp_size=2), FSDP2Config(), False, _dense),  # built: no refusal
     ],

@@ -159,9 +159,6 @@ COMBINATION_RULES: tuple[CombinationRule, ...] = (
         "use FSDP2Config or turn compile off",
     ),
     _rule(
-        {"cp", "ep"}, "context parallel with expert parallel is not built yet", "set cp_size or ep_size to 1"
-    ),
-    _rule(
         {"cp", "pp"},
         "context parallel inside pipeline stages is not built yet",
         "set cp_size or pp_size to 1",
