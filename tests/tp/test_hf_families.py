@@ -43,7 +43,11 @@ def _check(results: list[dict[str, dict[str, Any]]], expected: list[Family]) -> 
     assert not failures, failures
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
+@pytest.mark.parametrize(
+    "sp",
+    [pytest.param(False, marks=pytest.mark.slow), True],  # tp2 without SP: tools/slow_tests (tp4 covers it)
+    ids=["tp2", "tp2_sp"],
+)
 def test_families_dp_shard2_tp2(sp: bool) -> None:
     _check(run_on_ranks(family_parity, 4, FAMILIES, 2, sp, timeout=400), FAMILIES)
 

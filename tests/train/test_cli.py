@@ -118,6 +118,7 @@ def _same_weights(a: Path, b: Path) -> None:
         assert torch.equal(wa[key], wb[key]), key
 
 
+@pytest.mark.slow  # torchrun's restart of both ranks: tools/slow_tests (the kill -9 rerun stays in CI)
 def test_a_killed_rank_restarts_from_the_last_complete_checkpoint_and_matches_the_uninterrupted_run(
     baseline: Path, tmp_path: Path
 ):
@@ -187,6 +188,7 @@ def test_plan_llama3_8b_on_1024_ranks(capsys: pytest.CaptureFixture[str]):
     assert float(re.search(r"planned in ([\d.]+) s", out).group(1)) < 60
 
 
+@pytest.mark.slow  # inductor builds the layers: tools/slow_tests (library compile stays in CI)
 def test_compile_trains_and_the_summary_names_device_backend_and_compiled_layers(tmp_path: Path):
     run_dir = tmp_path / "compiled"
     overrides = [*SMALL, "model.arch.num_hidden_layers=1", "parallel.tp_size=1", "parallel.compile=true"]
