@@ -13,14 +13,9 @@ from typing import Any
 
 from plait.testing.driver import (
     ADAMW_LR,
-    BF16,
-    FP32,
     SGD_LR,
     STEPS,
     Inputs,
-    Parity,
-    Tolerances,
-    assert_parity,
     logits_of,
     paired,
     run_parity,
@@ -65,6 +60,7 @@ from plait.testing.parity import (
 )
 from plait.testing.routing import MIN_MARGIN, Margins, record_routing_margins
 from plait.testing.sweep import case_row, merge_rows, run_cases
+from plait.testing.tolerances import BF16, FP32, Parity, Tolerances, assert_parity
 
 _LAZY = {
     "plait.testing.cp_cases": (

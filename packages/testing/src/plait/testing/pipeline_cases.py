@@ -17,9 +17,10 @@ from torch.distributed.fsdp import FSDPModule
 from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
 from plait.models import DecoderConfig, DenseDecoder, MoEDecoder, MoEDecoderConfig
 from plait.pipeline import Pipeline, PipelineConfig, pipeline_model
-from plait.testing.driver import Inputs, Parity, run_parity, token_batches
+from plait.testing.driver import Inputs, run_parity, token_batches
 from plait.testing.hf_models import tiny_hf_model
 from plait.testing.models import lm_loss
+from plait.testing.tolerances import Parity
 
 __all__ = ["PIPELINE_VOCAB", "pipeline_decoder", "pipeline_parity"]
 

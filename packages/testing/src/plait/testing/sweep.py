@@ -1,7 +1,7 @@
 """The tools' matrix runner: each named case on gloo ranks, one JSON line per case, a JSON file of rows.
 
 A case body is a module-level function (the one ``run_on_ranks`` takes) returning, on every rank,
-a dict or a dataclass such as :class:`~plait.testing.driver.Parity`. Each rank's result becomes a
+a dict or a dataclass such as :class:`~plait.testing.tolerances.Parity`. Each rank's result becomes a
 flat row (a dataclass with a ``check()`` method gains ``ok`` and, when it fails, ``why``), and the
 ranks' rows merge into one: booleans must hold on every rank, numbers (and lists of numbers,
 element by element) take the worst rank's value, anything else is rank 0's. A case that raises,
