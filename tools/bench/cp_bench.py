@@ -1,16 +1,14 @@
-"""Context parallel: activation memory per rank and bytes per step, and the full parity matrix.
+"""Context parallel: activation memory per rank and bytes per step for each variant, and the parity matrix.
 
 Run from the repository root (gloo ranks on CPU, through plait.testing's harness):
 
-    uv run tools/bench/cp_bench.py [--seq 8192] [--cp 1,2,4]      # memory + bytes, one JSON line per run
-    uv run tools/bench/cp_bench.py --parity                        # every acceptance configuration
-                                                                   # (plait.testing.run_cases: JSON lines, --out)
+    uv run tools/bench/cp_bench.py [--seq 16384] [--cp 1,2,4] [--markdown] [--out-json PATH]
+    uv run tools/bench/cp_bench.py --parity        # every acceptance configuration
+                                                   # (plait.testing.run_cases: JSON lines, --out)
 
-Memory: the bytes of the distinct storages autograd saves for backward during one forward
-(``saved_tensors_hooks``) — the activations a rank holds at the peak, parameters excluded. Bytes:
-what one rank sends in one forward + backward, counted by a dispatch mode on the ``c10d`` ops
-(all-gather: input x (n-1); reduce-scatter: input x (n-1)/n; send: the tensor), beside the
-count docs/cp.md gives. The model is replicated (no FSDP) so every collective seen is cp attention.
+The first prints one JSON line per (cp, variant) run — activation bytes a rank saves for backward,
+bytes it sends in forward + backward, docs/cp.md's formula beside them (`cp_memory.py` says how
+each is measured) — then, with ``--markdown``, the table docs/cp.md shows.
 """
 
 from __future__ import annotations
@@ -21,102 +19,44 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from plait.testing import cp_parity, run_cases, run_on_ranks
-
-VARIANTS = ("all_gather", "ring")
-
-
-class _Sent(TorchDispatchMode):
-    """Bytes this rank sends through c10d all-gather, reduce-scatter and send ops."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        name = func.__name__.split(".")[0]
-        if func.namespace == "c10d" and name in ("_allgather_base_", "_reduce_scatter_base_", "send"):
-            tensor = args[1] if name != "send" else args[0][0]
-            n = dist.get_world_size()
-            size = tensor.numel() * tensor.element_size()
-            sent = {"_allgather_base_": size * (n - 1), "_reduce_scatter_base_": size * (n - 1) // n}.get(
-                name, size
-            )
-            self.bytes[name] = self.bytes.get(name, 0) + sent
-        return func(*args, **(kwargs or {}))
+from tools.bench.cp_memory import VARIANTS, measure
 
 
-def _saved_bytes() -> tuple[Any, dict[int, int]]:
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, torch.nn.Parameter):
-            s = t.untyped_storage()
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), storages
-
-
-def _theory(cp: int, variant: str, layers: int, kv_bytes: int) -> int:
-    if cp == 1:
-        return 0
-    sent = 2 * (cp - 1) * kv_bytes  # K/V out in forward; dK/dV (all-gather) or K/V again (ring) in backward
-    if variant == "ring":
-        sent += cp * kv_bytes  # the fp32 dK/dV accumulators' hops
-    return layers * sent
-
-
-def _measure(seq: int, variant: str, hidden: int, layers: int) -> dict[str, Any]:
-    from plait.cp import apply_context_parallel, shard_sequence
-    from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
-    from plait.models import DecoderConfig, DenseDecoder
-
-    cp = dist.get_world_size()
-    config = DecoderConfig(
-        vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers
-    )
-    model = DenseDecoder(config)
-    ctx = MeshContext.build(FSDP2Config(mp_policy=None, cp_attention=variant), ParallelismSizes(cp_size=cp))
-    if cp > 1:
-        apply_context_parallel(model, ctx)
-    ids = torch.randint(0, 256, (1, seq + 1), generator=torch.Generator().manual_seed(0))
-    batch = shard_sequence({"input_ids": ids[:, :-1], "labels": ids[:, 1:]}, ctx)
-    kwargs = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
-    hooks, storages = _saved_bytes()
-    counter = _Sent()
-    with counter:
-        with hooks:
-            loss = F.cross_entropy(
-                model(batch["input_ids"], **kwargs).flatten(0, 1), batch["labels"].flatten()
-            )
-        loss.backward()
-    kv_bytes = 2 * (seq // cp) * config.num_key_value_heads * config.head_dim * 4
-    return {
-        "cp": cp,
-        "variant": variant if cp > 1 else "none (SDPA)",
-        "seq": seq,
-        "tokens_per_rank": seq // cp,
-        "activation_bytes": sum(storages.values()),
-        "bytes_sent": sum(counter.bytes.values()),
-        "bytes_sent_by_op": counter.bytes,
-        "bytes_theory": _theory(cp, variant, layers, kv_bytes),
-    }
-
-
-def _memory_and_bytes(args: argparse.Namespace) -> None:
+def _memory_and_bytes(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every (cp, variant) run, one JSON line each; cp=1 runs once (plain SDPA)."""
+    rows: list[dict[str, Any]] = []
     baseline = None
+    model = (args.hidden, args.layers, args.heads, args.kv_heads, args.vocab)
     for cp in args.cp:
-        for variant in VARIANTS if cp > 1 else VARIANTS[:1]:
-            result = run_on_ranks(_measure, cp, args.seq, variant, args.hidden, args.layers, timeout=1800)[0]
-            baseline = baseline or result["activation_bytes"]
-            result["activation_vs_cp1"] = round(result["activation_bytes"] / baseline, 4)
-            print(json.dumps(result), flush=True)
+        for variant in args.variants if cp > 1 else args.variants[:1]:
+            result = run_on_ranks(measure, cp, args.seq, variant, *model, timeout=3600)
+            row = result[0]
+            row["activation_bytes_max_rank"] = max(r["activation_bytes"] for r in result)
+            row["bytes_sent_max_rank"] = max(r["bytes_sent"] for r in result)
+            baseline = baseline or row["activation_bytes"]
+            row["activation_vs_cp1"] = round(row["activation_bytes_max_rank"] / baseline, 4)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def _markdown(rows: list[dict[str, Any]]) -> str:
+    """The table of docs/cp.md's Measured section (activations in MB = 1e6 bytes)."""
+    lines = [
+        "| cp | variant | tokens / rank | activations / rank | vs cp=1 | bytes sent / rank | formula | sent / formula |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratio = f"{r['sent_vs_formula']:.4f}" if r["sent_vs_formula"] is not None else "-"
+        lines.append(
+            f"| {r['cp']} | {r['variant'].replace('none (SDPA)', 'SDPA')} | {r['tokens_per_rank']:,} "
+            f"| {r['activation_bytes_max_rank'] / 1e6:.1f} MB | {r['activation_vs_cp1']:.3f} "
+            f"| {r['bytes_sent_max_rank']:,} | {r['bytes_formula']:,} | {ratio} |"
+        )
+    return "\n".join(lines)
 
 
 PARITY: list[tuple[int, str, dict[str, int], dict[str, Any], Any]] = [
@@ -138,6 +78,9 @@ PARITY: list[tuple[int, str, dict[str, int], dict[str, Any], Any]] = [
 ]
 
 
+PARITY_VARIANTS = ("all_gather", "ring")
+"""The parity matrix's variants (unchanged here; ``all_to_all``'s end-to-end cases live in tests/cp)."""
+
 COMPILE = [(2, "dense", {"cp_size": 2}, {"enable_compile": True}, False)]
 """Per-layer torch.compile (inductor on CPU: minutes per case), with ``--parity --compile``."""
 
@@ -155,7 +98,7 @@ def _parity(matrix: list[tuple[Any, ...]], only_world: int | None, out: Path) ->
             )
             for w, kind, sizes, options, ac in matrix
             if w == world
-            for variant in VARIANTS
+            for variant in PARITY_VARIANTS
         }
         rows += run_cases(cases, cp_parity, world, out=out, timeout=1800)
     return all(row["ok"] for row in rows)
@@ -169,14 +112,29 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=Path("runs/cp_parity.json"), help="with --parity: JSON rows"
     )
-    parser.add_argument("--seq", type=int, default=8192)
-    parser.add_argument("--cp", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
+    parser.add_argument("--seq", type=int, default=16384)
+    parser.add_argument("--cp", type=_ints, default=[1, 2, 4])
+    parser.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS))
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--markdown", action="store_true", help="print the table after the JSON lines")
+    parser.add_argument("--out-json", type=Path, default=None, help="also write the rows (JSON lines) here")
     args = parser.parse_args()
     if args.parity:
         sys.exit(0 if _parity(COMPILE if args.compile else PARITY, args.world, args.out) else 1)
-    _memory_and_bytes(args)
+    rows = _memory_and_bytes(args)
+    if args.out_json is not None:
+        args.out_json.parent.mkdir(parents=True, exist_ok=True)
+        args.out_json.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if args.markdown:
+        print(_markdown(rows))
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
 
 
 if __name__ == "__main__":
