@@ -189,3 +189,61 @@ def test_a_position_saved_over_another_corpus_is_refused():
         sampler.load_state_dict({"position": 8, "num_samples": 40})
     sampler.load_state_dict({"position": 8})  # a position from before num_samples was saved
     assert sampler.state_dict() == {"position": 8, "num_samples": 37}
+
+
+def _jsonl_corpus(directory: Path, files: int, lines: int) -> list[Path]:
+    paths = []
+    for part in range(files):
+        path = directory / f"part{part}.jsonl"
+        rows = (
+            json.dumps({"text": f"record {part}-{i}: " + "some words of the user's corpus " * 3})
+            for i in range(lines)
+        )
+        path.write_text("\n".join(rows) + "\n")
+        paths.append(path)
+    return paths
+
+
+def test_tokenizing_streams_into_the_cache_in_bounded_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import tracemalloc
+
+    from plait.train import data
+
+    paths = _jsonl_corpus(tmp_path, files=3, lines=18_000)
+    size = sum(p.stat().st_size for p in paths)
+    assert size > 6_000_000
+    monkeypatch.setattr(data, "FLUSH_TOKENS", 1 << 16)
+    cfg = DataConfig(source="files", paths=[str(tmp_path / "*.jsonl")], seq_len=64)
+    tracemalloc.start()
+    try:
+        corpus = load_corpus(cfg, cache_dir=tmp_path / "cache")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # text and tokens of the whole corpus would be > 6 MB + 4 bytes a token; the bound is one
+    # document and the split buffers (2**16 tokens each here), whatever the corpus size
+    assert peak < 2_000_000, f"peak {peak:,} bytes while tokenizing {size:,} bytes"
+    assert isinstance(corpus.train.tokens, np.memmap) and corpus.num_documents == 54_000
+    assert corpus.train.tokens.dtype == np.uint16
+    whole = load_corpus(cfg)  # the same tokens in memory, without a cache
+    np.testing.assert_array_equal(np.asarray(corpus.train.tokens), whole.train.tokens)
+    np.testing.assert_array_equal(np.asarray(corpus.val.tokens), whole.val.tokens)
+    assert not list((tmp_path / "cache").glob("*/.*"))  # no temporary file left
+
+
+def test_tokenizing_prints_progress_lines(tmp_path: Path):
+    import re
+
+    _jsonl_corpus(tmp_path, files=2, lines=2_000)
+    cfg = DataConfig(source="files", paths=[str(tmp_path / "*.jsonl")], seq_len=64)
+    lines: list[str] = []
+    corpus = load_corpus(cfg, cache_dir=tmp_path / "cache", progress=lines.append, progress_every_s=0.0)
+    tokens = len(corpus.train.tokens) + len(corpus.val.tokens)
+    assert len(lines) == corpus.num_documents + 1  # one a document at every_s 0, then the last one
+    assert re.fullmatch(r"tokenizing: \d+ B of [\d.]+ kB, \d+ tokens", lines[0]), lines[0]
+    assert re.fullmatch(r"tokenizing: [\d.]+ kB of [\d.]+ kB, [\d.]+k tokens", lines[1_000]), lines[1_000]
+    total = f"{sum(p.stat().st_size for p in tmp_path.glob('*.jsonl')) / 1e3:.1f} kB"
+    assert re.fullmatch(rf"tokenized: {total} of {total}, {tokens / 1e3:.1f}k tokens in [\d.]+ s", lines[-1])
+    quiet: list[str] = []
+    load_corpus(cfg, cache_dir=tmp_path / "other", progress=quiet.append, progress_every_s=3600.0)
+    assert quiet == []  # a corpus tokenized before the first interval prints nothing, no last line either

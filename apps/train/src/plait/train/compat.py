@@ -19,8 +19,9 @@ from plait.train.config import Recipe, to_dict
 
 __all__ = ["data_order_keys", "fingerprint", "mismatch"]
 
-_LOADER_KNOBS = frozenset({"micro_batch_size", "num_workers", "prefetch_factor", "pin_memory"})
-"""``data.*`` keys that change how samples are fetched, not which sample comes next."""
+_LOADER_KNOBS = frozenset({"micro_batch_size", "num_workers", "prefetch_factor", "pin_memory", "streaming"})
+"""``data.*`` keys that change how samples are fetched, not which sample comes next (``streaming``
+reads the same rows in the same order)."""
 _SHOWN = 3
 
 

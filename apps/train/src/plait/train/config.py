@@ -146,12 +146,17 @@ class ParallelConfig:
 class DataConfig:
     """Where tokens come from and how they are batched."""
 
-    source: Literal["stdlib", "files"] = "stdlib"
-    """`stdlib`: this Python's standard-library sources; `files`: the local `paths`."""
+    source: Literal["stdlib", "files", "hf_datasets"] = "stdlib"
+    """`stdlib`: this Python's standard-library sources; `files`: the local `paths`; `hf_datasets`: a
+    local `datasets` dataset (`paths`: its data files, or a `save_to_disk` directory; extra `datasets`)."""
     paths: list[str] = field(default_factory=list)
     """Files or glob patterns (`.jsonl`/`.json`/`.parquet` read by `text_key`; others as text)."""
     text_key: str = "text"
-    """JSON Lines / Parquet field holding the document text."""
+    """JSON Lines / Parquet field (or dataset column) holding the document text."""
+    streaming: bool = False
+    """`hf_datasets` only: read the files lazily as an `IterableDataset` (no Arrow copy written)."""
+    hf_split: str | None = None
+    """`hf_datasets` with a saved `DatasetDict` only: its split to read (None = its only split, or `train`)."""
     tokenizer: str = "bytes"
     """`bytes` (ids 0-255, EOS 256), or a local `tokenizer.json` / HF model directory holding one."""
     eos_token: str | None = None
@@ -175,8 +180,13 @@ class DataConfig:
         )
         if not 0.0 < self.val_fraction < 0.5:
             raise ValueError(f"data.val_fraction must be in (0, 0.5), got {self.val_fraction!r}")
-        if self.source == "files" and not self.paths:
-            raise ValueError("data.source 'files' needs data.paths (files or glob patterns)")
+        if self.source in ("files", "hf_datasets") and not self.paths:
+            raise ValueError(f"data.source {self.source!r} needs data.paths (files or glob patterns)")
+        if self.source != "hf_datasets" and (self.streaming or self.hf_split is not None):
+            key = "data.streaming" if self.streaming else "data.hf_split"
+            raise ValueError(
+                f"{key} is only read with data.source: hf_datasets, got data.source {self.source!r}"
+            )
 
 
 @dataclass(kw_only=True)

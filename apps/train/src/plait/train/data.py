@@ -1,31 +1,30 @@
-"""Corpus, tokenization, document packing, a resumable sampler over the ``dp`` mesh, validation.
+"""Tokenization, document packing and the token cache: the corpus as two memory-mapped token arrays.
 
-The built-in corpus is this Python's standard-library sources (``sysconfig.get_paths()["stdlib"]``,
-``*.py``, sorted, without ``site-packages``), so it exists on every machine. ``data.source: files``
-reads local files in the order of ``data.paths`` (each glob sorted): ``.jsonl`` / ``.json`` as
-JSON Lines (a ``.json`` array of records also works) and ``.parquet`` by the ``data.text_key``
-field, anything else as one text document. Each document is tokenized (:mod:`plait.train.tokenizer`)
-and followed by the tokenizer's EOS. Documents are split into train and validation by index
-(every k-th document is held out; the last one when there are fewer than k), each side
-concatenated (packed) and cut into ``seq_len + 1`` windows. The whole corpus is read unless
-``data.max_bytes`` caps the bytes of text; a cut is named in :meth:`Corpus.describe` (the run's
-summary) and in the errors about too little data, with how much of the corpus was read.
+The documents come from :mod:`plait.train.sources` (the stdlib sources, local files, a local
+``datasets`` dataset), read lazily in a fixed order. Each document is tokenized
+(:mod:`plait.train.tokenizer`) and followed by the tokenizer's EOS, and its tokens are appended to
+the train or the validation split as they come (every k-th document is held out; the last one when
+there are fewer than k), each split packed back to back and cut into ``seq_len + 1`` windows. The
+whole corpus is read unless ``data.max_bytes`` caps the bytes of text; a cut is named in
+:meth:`Corpus.describe` (the run's summary) and in the errors about too little data.
 
-The sampler walks one global order (a seeded permutation per epoch); each optimizer micro-step
-takes ``micro_batch_size * dp_size`` consecutive positions and data-parallel rank ``r`` keeps the
-r-th slice. TP ranks share a dp rank, so they get the same batch; the global batch is the same
-whatever the mesh; the position is the whole resumable state.
+Memory: with a cache directory (the trainer's ``<run dir>/token_cache/``) the tokens go straight to
+the cache's ``.npy`` files, so tokenizing holds one document (its text and tokens; a Parquet record
+batch, a ``datasets`` batch of rows, a ``.json`` array file whole) plus a write buffer of
+:data:`FLUSH_TOKENS` tokens per split, whatever the corpus size; the splits are then read back
+memory-mapped. Without one the tokens are kept in memory (2 bytes a token for vocabularies up to
+65,536 ids, else 4). ``progress`` gets a line every few seconds while tokenizing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import glob
 import hashlib
 import json
 import os
-import sysconfig
-from collections.abc import Iterator
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -33,10 +32,12 @@ import torch
 
 from plait.train.batches import PackedDataset
 from plait.train.config import DataConfig
+from plait.train.sources import DocumentStream, Extent, check_paths, open_documents, stdlib_files
 from plait.train.tokenizer import BYTE_EOS, ByteTokenizer, Tokenizer
 
 __all__ = [
     "EOS",
+    "FLUSH_TOKENS",
     "TOKENIZER_VOCAB",
     "Corpus",
     "Extent",
@@ -46,6 +47,7 @@ __all__ = [
     "decode",
     "encode",
     "load_corpus",
+    "prepare_corpus",
     "read_documents",
     "stdlib_files",
 ]
@@ -54,104 +56,15 @@ EOS = BYTE_EOS
 """End-of-document token of the byte tokenizer."""
 TOKENIZER_VOCAB = ByteTokenizer.vocab_size
 """Token ids of the byte tokenizer: 256 bytes + EOS."""
-
-
-def stdlib_files() -> list[Path]:
-    """This interpreter's standard-library ``*.py`` files, sorted by relative path (no site-packages)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages", "__pycache__"}
-    found = [p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts)]
-    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
-
-
-def check_paths(cfg: DataConfig) -> list[Path]:
-    """The files of ``data.paths`` in reading order (empty for the stdlib corpus).
-
-    Raises:
-        ValueError: an entry (file or glob pattern) that matches no file, named.
-    """
-    files: list[Path] = []
-    for pattern in cfg.paths if cfg.source == "files" else []:
-        matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
-        found = [Path(m) for m in matches if Path(m).is_file()]
-        if not found:
-            raise ValueError(f"data.paths entry {pattern!r} matches no file (relative to {Path.cwd()})")
-        files.extend(found)
-    return files
-
-
-def _record_text(record: object, where: str, text_key: str) -> bytes:
-    if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
-        raise ValueError(f"{where}: expected a JSON object with a string {text_key!r} (data.text_key)")
-    return record[text_key].encode("utf-8")
-
-
-def _json_documents(path: Path, text_key: str) -> Iterator[bytes]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(
-            f"{path}: not UTF-8 text (byte 0x{err.object[err.start : err.start + 1].hex()} at offset "
-            f"{err.start}); save it as UTF-8 or drop it from data.paths"
-        ) from None
-    if path.suffix == ".json" and text.lstrip().startswith("["):
-        for i, record in enumerate(json.loads(text)):
-            yield _record_text(record, f"{path}[{i}]", text_key)
-        return
-    for lineno, line in enumerate(text.split("\n"), 1):  # records end at \n only (not at U+2028)
-        if line.strip():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not a JSON Lines record ({err.msg})") from None
-            yield _record_text(record, f"{path}:{lineno}", text_key)
-
-
-def _parquet_documents(path: Path, text_key: str) -> Iterator[bytes]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ValueError(f"{path}: reading Parquet needs `pyarrow` (pip install pyarrow)") from None
-    table = pq.ParquetFile(path)
-    if text_key not in table.schema_arrow.names:
-        raise ValueError(
-            f"{path}: no column {text_key!r} (data.text_key); columns: {table.schema_arrow.names}"
-        )
-    for batch in table.iter_batches(columns=[text_key]):
-        for value in batch.column(0).to_pylist():
-            if isinstance(value, str):
-                yield value.encode("utf-8")
-
-
-def _documents_of(path: Path, text_key: str) -> Iterator[bytes]:
-    if path.suffix in (".jsonl", ".json"):
-        yield from _json_documents(path, text_key)
-    elif path.suffix == ".parquet":
-        yield from _parquet_documents(path, text_key)
-    else:
-        yield path.read_bytes()
+FLUSH_TOKENS = 1 << 20
+"""Tokens a split buffers before writing them to the cache (4 MiB as int32)."""
+_NPY_HEADER = 128
+"""Bytes of the ``.npy`` header the cache files are written with (version 1.0, padded)."""
 
 
 def read_documents(cfg: DataConfig) -> list[bytes]:
-    """The corpus documents in a fixed order, stopping after ``cfg.max_bytes`` bytes."""
-    return _read(cfg)[0]
-
-
-def _read(cfg: DataConfig) -> tuple[list[bytes], Extent]:
-    files = stdlib_files() if cfg.source == "stdlib" else check_paths(cfg)
-    extent = Extent(files=len(files), file_bytes=sum(f.stat().st_size for f in files))
-    docs: list[bytes] = []
-    total = 0
-    for path in files:
-        extent.files_read += 1
-        for doc in _documents_of(path, cfg.text_key):
-            if cfg.max_bytes is not None and total + len(doc) > cfg.max_bytes:
-                docs.append(doc[: cfg.max_bytes - total])
-                extent.cut_at = cfg.max_bytes
-                return [d for d in docs if d], extent
-            docs.append(doc)
-            total += len(doc)
-    return [d for d in docs if d], extent
+    """The corpus documents in a fixed order, stopping after ``cfg.max_bytes`` bytes (all in memory)."""
+    return [doc for doc, _ in open_documents(cfg).documents]
 
 
 def encode(doc: bytes, tokenizer: Tokenizer | None = None) -> np.ndarray:
@@ -166,20 +79,6 @@ def decode(tokens: list[int] | np.ndarray) -> str:
 
 
 @dataclasses.dataclass
-class Extent:
-    """How much of the corpus's files was read: all of them, or what ``data.max_bytes`` let through."""
-
-    files: int
-    """Files of the corpus."""
-    file_bytes: int
-    """Their size on disk, all of them."""
-    files_read: int = 0
-    """Files read from (the last one only in part when the cap cut it)."""
-    cut_at: int | None = None
-    """``data.max_bytes`` when it stopped the reading before the end of the corpus, else None."""
-
-
-@dataclasses.dataclass
 class Corpus:
     """Train and validation splits of the packed corpus."""
 
@@ -191,20 +90,26 @@ class Corpus:
 
     def describe(self) -> str:
         """``N documents, B bytes``; when ``data.max_bytes`` cut the corpus, how much of it was read."""
-        read = f"{self.num_documents:,} documents, {self.num_bytes:,} bytes"
-        e = self.extent
-        if e.cut_at is None:
-            return read
-        return (
-            f"{read} read of the {e.file_bytes:,} bytes of its {e.files:,} files (data.max_bytes={e.cut_at:,} "
-            f"stopped the reading in file {e.files_read:,}; data.max_bytes: null reads them all)"
-        )
+        return _describe(self.num_documents, self.num_bytes, self.extent)
+
+
+def _describe(num_documents: int, num_bytes: int, e: Extent) -> str:
+    read = f"{num_documents:,} documents, {num_bytes:,} bytes"
+    if e.cut_at is None:
+        return read
+    where = f"row {e.rows_read:,}" if e.rows_read is not None else f"file {e.files_read:,}"
+    return (
+        f"{read} read of the {e.file_bytes:,} bytes of its {e.files:,} files (data.max_bytes={e.cut_at:,} "
+        f"stopped the reading in {where}; data.max_bytes: null reads them all)"
+    )
 
 
 def corpus_fingerprint(cfg: DataConfig, tokenizer: Tokenizer) -> str:
     """A key of everything the packed tokens depend on: files (paths, sizes, mtimes), tokenizer, split."""
     files = stdlib_files() if cfg.source == "stdlib" else check_paths(cfg)
     h = hashlib.sha256(f"v2|{cfg.source}|{cfg.text_key}|{cfg.max_bytes}|{cfg.val_fraction}".encode())
+    if cfg.source == "hf_datasets":  # data.streaming reads the same rows: it shares the cache
+        h.update(f"|{cfg.hf_split}".encode())
     h.update(f"|{tokenizer.name}|{tokenizer.vocab_size}|{tokenizer.eos_id}".encode())
     tok_file = Path(tokenizer.name)
     for f in [tok_file] if tok_file.is_file() else []:
@@ -225,32 +130,200 @@ def _read_cache(directory: Path, seq_len: int) -> Corpus | None:
     return Corpus(PackedDataset(train, seq_len), PackedDataset(val, seq_len), **info, extent=extent)
 
 
-def _write_cache(directory: Path, corpus: Corpus) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    for split in ("train", "val"):
-        tmp = directory / f".{split}.{os.getpid()}.npy"
-        tokens = getattr(corpus, split).tokens
-        small = len(tokens) == 0 or int(tokens.max()) < 2**16
-        np.save(tmp, tokens.astype(np.uint16) if small else tokens)  # half the disk for byte/small vocabs
-        os.replace(tmp, directory / f"{split}.npy")
-    info = {
-        "num_documents": corpus.num_documents,
-        "num_bytes": corpus.num_bytes,
-        "extent": dataclasses.asdict(corpus.extent),
-    }
-    tmp = directory / f".meta.{os.getpid()}.json"
+def _npy_header(dtype: np.dtype, length: int) -> bytes:
+    """A ``.npy`` version 1.0 header of a 1-D array, padded to :data:`_NPY_HEADER` bytes."""
+    d = repr({"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (length,)})
+    body = d.encode("latin1").ljust(_NPY_HEADER - 10 - 1) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(body).to_bytes(2, "little") + body
+
+
+class _Split:
+    """One split's tokens, appended document by document: to a ``.npy`` file, or kept in memory."""
+
+    def __init__(self, path: Path | None, dtype: np.dtype) -> None:
+        self.path, self.dtype = path, dtype
+        self.length = 0
+        self.documents = 0
+        self._pending: list[np.ndarray] = []
+        self._pending_tokens = 0
+        self._kept: list[np.ndarray] = []
+        self._file = path.open("wb") if path is not None else None
+        if self._file is not None:
+            self._file.write(b"\0" * _NPY_HEADER)
+
+    def add(self, tokens: np.ndarray) -> None:
+        self._pending.append(tokens)
+        self._pending_tokens += len(tokens)
+        self.documents += 1
+        if self._pending_tokens >= FLUSH_TOKENS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        chunk = np.concatenate(self._pending)
+        if self.dtype == np.uint16 and len(chunk) and int(chunk.max()) >= 2**16:
+            raise ValueError(f"the tokenizer produced id {int(chunk.max())}, above its vocab_size")
+        chunk = chunk.astype(self.dtype)
+        if self._file is not None:
+            self._file.write(chunk.tobytes())
+        else:
+            self._kept.append(chunk)
+        self.length += len(chunk)
+        self._pending, self._pending_tokens = [], 0
+
+    def tokens(self) -> np.ndarray:
+        """The tokens kept in memory (without a file; a file is read back memory-mapped)."""
+        self._flush()
+        return np.concatenate(self._kept) if self._kept else np.zeros(0, self.dtype)
+
+    def close(self) -> None:
+        """Write what is buffered and, with a file, the header (with the final length); close it."""
+        self._flush()
+        if self._file is None:
+            return
+        self._file.seek(0)
+        self._file.write(_npy_header(self.dtype, self.length))
+        self._file.close()
+        self._file = None
+
+    def discard(self) -> None:
+        """Close and delete an unfinished file."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
+
+def _amount(n: float, unit: str) -> str:
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.1f}{suffix if unit != 'bytes' else ' ' + suffix + 'B'}"
+    return f"{int(n)}" + (" B" if unit == "bytes" else "")
+
+
+class _Progress:
+    """``tokenizing: 12.3 MB of 45.6 MB, 1.2M tokens`` every ``every_s`` seconds, and a last line."""
+
+    def __init__(self, say: Callable[[str], None] | None, stream: DocumentStream, every_s: float) -> None:
+        self.say, self.total, self.unit, self.every_s = say, stream.total, stream.unit, every_s
+        self.start = self.last = time.monotonic()
+        self.printed = False
+
+    def _line(self, verb: str, read: int, tokens: int) -> str:
+        rows = " rows" if self.unit == "rows" else ""
+        amount = (lambda n: f"{n:,}") if rows else (lambda n: _amount(n, "bytes"))
+        of = f" of {amount(self.total)}" if self.total is not None else ""
+        return f"{verb}: {amount(read)}{of}{rows}, {_amount(tokens, 'tokens')} tokens"
+
+    def update(self, read: int, tokens: int) -> None:
+        now = time.monotonic()
+        if self.say is not None and now - self.last >= self.every_s:
+            self.say(self._line("tokenizing", read, tokens))
+            self.last, self.printed = now, True
+
+    def finish(self, read: int, tokens: int) -> None:
+        """The last line, when a progress line was printed (a quick corpus prints none)."""
+        if self.say is not None and self.printed:
+            self.say(f"{self._line('tokenized', read, tokens)} in {time.monotonic() - self.start:.1f} s")
+
+
+def _fill(
+    cfg: DataConfig, stream: DocumentStream, tokenizer: Tokenizer, splits: list[_Split], progress: _Progress
+) -> int:
+    """Tokenize every document into ``splits`` (train, val); the bytes of text read."""
+    train, val = splits
+    every = max(2, round(1 / cfg.val_fraction))
+    last: np.ndarray | None = None  # the newest train document: held out instead when it ends a tiny corpus
+    index = num_bytes = tokens = read = 0
+    for doc, read in stream.documents:
+        ids = encode(doc, tokenizer)
+        if index % every == every - 1:
+            val.add(ids)
+        else:
+            if last is not None:
+                train.add(last)
+            last = ids
+        index, num_bytes, tokens = index + 1, num_bytes + len(doc), tokens + len(ids)
+        progress.update(read, tokens)
+    if last is not None:
+        (val if val.documents == 0 else train).add(last)
+    progress.finish(read, tokens)
+    return num_bytes
+
+
+def _build_corpus(
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    cache: Path | None,
+    say: Callable[[str], None] | None,
+    every_s: float,
+) -> Corpus:
+    """Tokenize the corpus into ``cache`` (its ``.npy`` files and ``meta.json``), or into memory."""
+    stream = open_documents(cfg, cache.parent / "hf_datasets" if cache is not None else None)
+    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32)  # half the disk, small vocabs
+    created = [d for d in (cache, *cache.parents) if not d.exists()] if cache is not None else []
+    for directory in reversed(created):
+        directory.mkdir()
+    splits = [_Split(cache / f".{n}.{os.getpid()}.npy" if cache else None, dtype) for n in ("train", "val")]
+    try:
+        num_documents, num_bytes = _tokenize(cfg, tokenizer, stream, splits, _Progress(say, stream, every_s))
+    except BaseException:
+        for split in splits:
+            split.discard()
+        for directory in created:  # a failed run leaves no directory behind
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
+    if cache is None:
+        train, val = (PackedDataset(split.tokens(), cfg.seq_len) for split in splits)
+        return Corpus(train, val, num_documents, num_bytes, stream.extent)
+    for name, split in zip(("train", "val"), splits, strict=True):
+        os.replace(split.path, cache / f"{name}.npy")
+    extent = dataclasses.asdict(stream.extent)
+    info = {"num_documents": num_documents, "num_bytes": num_bytes, "extent": extent}
+    tmp = cache / f".meta.{os.getpid()}.json"
     tmp.write_text(json.dumps(info))
-    os.replace(tmp, directory / "meta.json")  # last: a directory without meta.json is incomplete
+    os.replace(tmp, cache / "meta.json")  # last: a directory without meta.json is incomplete
+    corpus = _read_cache(cache, cfg.seq_len)
+    assert corpus is not None
+    return corpus
+
+
+def _tokenize(
+    cfg: DataConfig, tokenizer: Tokenizer, stream: DocumentStream, splits: list[_Split], progress: _Progress
+) -> tuple[int, int]:
+    """Fill and close ``splits``; ``(documents, bytes of text)``; each split must hold a sequence."""
+    num_bytes = _fill(cfg, stream, tokenizer, splits, progress)
+    for split in splits:
+        split.close()
+    num_documents = splits[0].documents + splits[1].documents
+    for name, split in zip(("train", "val"), splits, strict=True):
+        if split.length < cfg.seq_len + 1:
+            fix = "raise data.max_bytes, add data" if stream.extent.cut_at is not None else "add data"
+            raise ValueError(
+                f"the {name} split of the corpus ({_describe(num_documents, num_bytes, stream.extent)}) "
+                f"holds no sequence of data.seq_len={cfg.seq_len}+1 tokens; {fix} or lower data.seq_len"
+            )
+    return num_documents, num_bytes
 
 
 def load_corpus(
-    cfg: DataConfig, tokenizer: Tokenizer | None = None, cache_dir: str | Path | None = None
+    cfg: DataConfig,
+    tokenizer: Tokenizer | None = None,
+    cache_dir: str | Path | None = None,
+    *,
+    progress: Callable[[str], None] | None = None,
+    progress_every_s: float = 5.0,
 ) -> Corpus:
     """Read, tokenize (default: bytes), split (every k-th document to validation) and pack.
 
-    With ``cache_dir`` the packed tokens are kept in ``<cache_dir>/<fingerprint>/`` as ``.npy`` files
-    and read back memory-mapped, so a rank touches only the windows it reads and a restarted or
-    resumed run does not tokenize again.
+    With ``cache_dir`` the packed tokens are written to ``<cache_dir>/<fingerprint>/`` as ``.npy``
+    files while the documents are read (memory: see the module docstring) and read back
+    memory-mapped, so a rank touches only the windows it reads and a restarted or resumed run does
+    not tokenize again. ``progress`` receives a line every ``progress_every_s`` seconds of
+    tokenizing, and a last one when it printed any.
 
     Raises:
         ValueError: a split holds less than one sequence.
@@ -260,34 +333,7 @@ def load_corpus(
     cached = _read_cache(cache, cfg.seq_len) if cache is not None else None
     if cached is not None:
         return cached
-    corpus = _build_corpus(cfg, tokenizer)
-    if cache is not None:
-        _write_cache(cache, corpus)
-        return _read_cache(cache, cfg.seq_len) or corpus
-    return corpus
-
-
-def _build_corpus(cfg: DataConfig, tokenizer: Tokenizer) -> Corpus:
-    docs, extent = _read(cfg)
-    every = max(2, round(1 / cfg.val_fraction))
-    held_out = {i for i in range(len(docs)) if i % every == every - 1} or {len(docs) - 1}
-    train = [encode(d, tokenizer) for i, d in enumerate(docs) if i not in held_out]
-    val = [encode(d, tokenizer) for i, d in enumerate(docs) if i in held_out]
-    corpus = Corpus(
-        train=PackedDataset(np.concatenate(train) if train else np.zeros(0, np.int32), cfg.seq_len),
-        val=PackedDataset(np.concatenate(val) if val else np.zeros(0, np.int32), cfg.seq_len),
-        num_documents=len(docs),
-        num_bytes=sum(len(d) for d in docs),
-        extent=extent,
-    )
-    for split in ("train", "val"):
-        if len(getattr(corpus, split)) == 0:
-            fix = "raise data.max_bytes, add data" if extent.cut_at is not None else "add data"
-            raise ValueError(
-                f"the {split} split of the corpus ({corpus.describe()}) holds no sequence of "
-                f"data.seq_len={cfg.seq_len}+1 tokens; {fix} or lower data.seq_len"
-            )
-    return corpus
+    return _build_corpus(cfg, tokenizer, cache, progress, progress_every_s)
 
 
 def check_corpus_ids(corpus: Corpus, vocab: int) -> None:
@@ -301,11 +347,15 @@ def check_corpus_ids(corpus: Corpus, vocab: int) -> None:
             )
 
 
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
 def prepare_corpus(
     cfg: DataConfig, tokenizer: Tokenizer, cache_dir: str | Path, *, local_rank: int, device: torch.device
 ) -> Corpus:
-    """:func:`load_corpus` in a job: local rank 0 of each node tokenizes into the cache, then every
-    rank memory-maps it.
+    """:func:`load_corpus` in a job: local rank 0 of each node tokenizes into the cache (global rank
+    0 printing progress), then every rank memory-maps it.
 
     A success flag is all-reduced (every rank reaches it, so a failed tokenization cannot leave the
     others waiting); a failure raises ``ValueError`` on every rank, with the cause on the ranks that
@@ -315,8 +365,9 @@ def prepare_corpus(
 
     error: ValueError | None = None
     if local_rank == 0:
+        rank = dist.get_rank() if dist.is_initialized() else 0
         try:
-            load_corpus(cfg, tokenizer, cache_dir)
+            load_corpus(cfg, tokenizer, cache_dir, progress=_say if rank == 0 else None)
         except ValueError as err:
             error = err
     ok = torch.tensor([0.0 if error else 1.0], device=device)
