@@ -121,6 +121,7 @@ BUILT_BY: dict[frozenset[str], str] = {
     _("ep", "pp"): f"{PP_NEW}[pp_ep]",
     _("compile", "pp"): f"{PP_NEW}[pp_compile]",
     _("dp_replicate", "pp"): f"{PP_NEW}[pp_hsdp]",
+    _("cp", "pp"): f"{PP_NEW}[pp_cp]",
     # DDP
     _("ddp", "dp_shard"): f"{DDP}[4-False]",
     _("ac_full", "ddp"): f"{DDP}[2-full]",

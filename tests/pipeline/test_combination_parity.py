@@ -28,6 +28,7 @@ from plait.testing import (
     Inputs,
     Margins,
     Parity,
+    cp_local_inputs,
     lm_loss,
     pipeline_decoder,
     record_routing_margins,
@@ -63,12 +64,15 @@ CASES: dict[str, Case] = {
     "pp_compile": Case(4, "dense", options={"enable_compile": True}, meshes=("dp_shard",)),  # pp x compile
     # pp x dp_replicate: FSDP2 refuses pure replication (dp_replicate == dp), so HSDP 2 x 2 per stage.
     "pp_hsdp": Case(8, "dense", {"dp_replicate_size": 2}, meshes=("dp_replicate", "dp_shard")),
+    # pp x cp: each stage's attention is context-parallel; position_ids reach every stage with the batch
+    "pp_cp": Case(4, "dense", {"cp_size": 2}, meshes=("dp_shard_cp",)),
 }
 
 
 def _step(pipe: Pipeline, batch: Inputs) -> torch.Tensor:
     kwargs, labels = batch
-    return pipe.step(kwargs["input_ids"], labels)
+    rest = {k: v for k, v in kwargs.items() if k != "input_ids"}  # cp: position_ids for every stage
+    return pipe.step(kwargs["input_ids"], labels, **rest)
 
 
 def _facts(pipe: Pipeline) -> dict[str, Any]:
@@ -97,6 +101,7 @@ def _parity(name: str, case: Case) -> tuple[Parity, Margins | None]:
     # The reference's routers only: a stage's shape inference runs a forward on placeholder inputs.
     margins = record_routing_margins(reference) if case.model == "moe" else None
     dp = ctx.dp_mesh()
+    local_seq: list[int] = []
     parity = run_parity(
         lambda: (reference, pipe),
         token_batches(PIPELINE_VOCAB, dp.size(), batch=4),
@@ -104,7 +109,8 @@ def _parity(name: str, case: Case) -> tuple[Parity, Margins | None]:
         case=name,
         parallel_step=_step,
         subset=True,
-        inspect=lambda _ref, pipe: _facts(pipe),
+        local_inputs=cp_local_inputs(ctx, local_seq) if ctx.cp_size > 1 else None,
+        inspect=lambda _ref, pipe: _facts(pipe) | {"local_seq": local_seq[:1]},
     )
     return parity, margins
 

@@ -86,15 +86,23 @@ def test_bad_input_is_refused_on_every_rank() -> None:
     assert "does not split into microbatches=2" in results[0][2]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "cp"], ids=["pp with DDP is refused", "pp with cp is refused"])
-def test_strategy_refusals(strategy: str, fake_pg) -> None:
+def test_pp_with_ddp_is_refused(fake_pg) -> None:
     from plait.mesh import DDPConfig
 
-    with fake_pg(4):
-        if strategy == "ddp":  # the combination table refuses it before any mesh exists
-            with pytest.raises(ValueError, match="DDP does not support pp_size=2"):
-                MeshContext.build(DDPConfig(), ParallelismSizes(pp_size=2))
-        else:  # and this one in the whole model's plan, before any stage is built
-            ctx = MeshContext.build(FSDP2Config(), ParallelismSizes(pp_size=2, cp_size=2))
-            with pytest.raises(ValueError, match="cp_size=2 with pp_size=2 is not supported"):
-                pipeline_model(pipeline_decoder("dense", 2), ctx, lm_loss)
+    with fake_pg(4), pytest.raises(ValueError, match="DDP does not support pp_size=2"):
+        MeshContext.build(DDPConfig(), ParallelismSizes(pp_size=2))  # the table, before any mesh exists
+
+
+def _step_without_positions() -> str:
+    ctx = MeshContext.build(FSDP2Config(mp_policy=None), ParallelismSizes(pp_size=2, cp_size=2))
+    pipe = pipeline_model(pipeline_decoder("dense", 2), ctx, lm_loss, PipelineConfig(microbatches=2))
+    ids = torch.zeros(2, 4, dtype=torch.long)  # this cp rank's half of 8 tokens, but no position_ids
+    with pytest.raises(ValueError) as info:
+        pipe.step(ids, ids)
+    return str(info.value)
+
+
+def test_a_cp_step_without_positions_is_refused_on_every_rank() -> None:
+    """The stage-1 ranks refuse too, instead of waiting for the first stage's activations."""
+    for message in run_on_ranks(_step_without_positions, 4):
+        assert "under cp_size=2 needs position_ids=" in message, message

@@ -82,6 +82,16 @@ def test_pp2_matches_pp1_and_a_resumed_run_matches_an_uninterrupted_one(tmp_path
             assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
 
 
+def test_pp2_x_cp2_matches_pp1(tmp_path) -> None:
+    """4 ranks: two stages, each context-parallel over 2 ranks (the same single replica's batches)."""
+    (reference,) = run_on_ranks(_train, 1, str(tmp_path / "pp1"), [])
+    for rank in run_on_ranks(_train, 4, str(tmp_path / "pp2_cp2"), [*PP, "parallel.cp_size=2"]):
+        assert rank[-1]["val_loss"] == pytest.approx(reference[-1]["val_loss"], abs=1e-5)
+        for ref, got in zip(reference[:-1], rank[:-1], strict=True):
+            assert got["loss"] == pytest.approx(ref["loss"], abs=1e-5)
+            assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+
+
 def test_pipeline_recipe_refusals() -> None:
     from plait.train.recipes import load_recipe
     from plait.train.setup import check_recipe

@@ -150,9 +150,7 @@ class Trainer:
         return shard_sequence(batch, self.ctx) if self.ctx.cp_size > 1 else batch  # this cp rank's tokens
 
     def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        keys = ("pixel_values", "position_ids", DOCUMENTS_KEY)
-        kwargs = {k: batch[k] for k in keys if k in batch}
-        return hf_logits(self.model(batch["input_ids"], **kwargs))
+        return hf_logits(self.model(batch["input_ids"], **_model_kwargs(batch, "pixel_values")))
 
     @contextlib.contextmanager
     def _gradient_sync(self, enabled: bool) -> Iterator[None]:
@@ -218,7 +216,8 @@ class Trainer:
         """
         assert self.pipe is not None
         self._pp_loss_scale = scale * self.pipe.microbatches
-        return float(self.pipe.step(batch["input_ids"], batch["labels"])) / scale
+        # under cp every stage takes the positions (and document ids) of shard_sequence
+        return float(self.pipe.step(batch["input_ids"], batch["labels"], **_model_kwargs(batch))) / scale
 
     @torch.no_grad()
     def validate(self) -> float:
@@ -231,7 +230,9 @@ class Trainer:
             batch = self._batch(val, [(first + i) % len(val) for i in range(mbs)])
             if self.pipe is not None:
                 self._pp_loss_scale = float(self.pipe.microbatches)  # evaluate's mean -> the token-loss sum
-                totals[0] += float(self.pipe.evaluate(batch["input_ids"], batch["labels"]))
+                totals[0] += float(
+                    self.pipe.evaluate(batch["input_ids"], batch["labels"], **_model_kwargs(batch))
+                )
                 totals[1] += float((batch["labels"] != IGNORE_INDEX).sum())
                 continue
             totals[0] += _scalar(self.token_loss(lambda b=batch: self._logits(b), batch["labels"], None))
@@ -384,3 +385,8 @@ def _backend(recipe: Recipe) -> str:
     if wanted == "cpu" or not torch.cuda.is_available() or torch.cuda.device_count() < local_world:
         return "gloo"
     return "nccl"
+
+
+def _model_kwargs(batch: dict[str, torch.Tensor], *extra: str) -> dict[str, torch.Tensor]:
+    """The batch's forward inputs besides ``input_ids``: positions, document ids and ``extra`` keys."""
+    return {k: batch[k] for k in ("position_ids", DOCUMENTS_KEY, *extra) if k in batch}

@@ -1,7 +1,12 @@
 """Context parallelism: attention over a sequence split across the cp ranks, and the batch split."""
 
 from plait.cp.all_to_all import kv_repeats
-from plait.cp.apply import apply_context_parallel, check_context_parallel_model, cp_attention_choice
+from plait.cp.apply import (
+    apply_context_parallel,
+    check_context_parallel_model,
+    check_cp_inputs,
+    cp_attention_choice,
+)
 from plait.cp.attention import ContextParallelAttention
 from plait.cp.choice import CPAttentionChoice, choose_cp_attention, heads_of
 from plait.cp.layout import (
@@ -20,6 +25,7 @@ __all__ = [
     "ContextParallelAttention",
     "apply_context_parallel",
     "check_context_parallel_model",
+    "check_cp_inputs",
     "choose_cp_attention",
     "chunk_ids",
     "cp_attention_choice",

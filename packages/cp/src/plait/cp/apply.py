@@ -90,6 +90,18 @@ def apply_context_parallel(
     return model
 
 
+def check_cp_inputs(model: nn.Module, kwargs: dict[str, Any]) -> None:
+    """Run the input checks ``apply_context_parallel`` attached to ``model`` on forward ``kwargs``, now.
+
+    For callers whose ranks would not all reach the forward before a collective (a pipeline's later
+    stages wait for activations): every rank refuses the same inputs up front. No-op on a model without
+    context parallel. Raises the forward's ``ValueError``.
+    """
+    for hook in list(model._forward_pre_hooks.values()):
+        if isinstance(hook, _InputGuard):
+            hook(model, (), kwargs)
+
+
 def _find_attention(model: nn.Module) -> tuple[list[nn.Module], list[tuple[nn.Module, list[nn.Module]]]]:
     """``attention_fn`` modules and ``(hf_model, its attention modules)``; raises for anything else."""
     fn_modules: list[nn.Module] = []

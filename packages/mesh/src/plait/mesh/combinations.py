@@ -159,11 +159,6 @@ COMBINATION_RULES: tuple[CombinationRule, ...] = (
         "use FSDP2Config or turn compile off",
     ),
     _rule(
-        {"cp", "pp"},
-        "context parallel inside pipeline stages is not built yet",
-        "set cp_size or pp_size to 1",
-    ),
-    _rule(
         {"ep", "sp"},
         "the MoE block expects replicated activations, sequence parallel shards them",
         "set sequence_parallel to False",

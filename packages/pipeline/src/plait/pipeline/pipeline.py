@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
+from plait.cp import check_cp_inputs
 from plait.mesh import MeshContext, clip_grad_norm_
 from plait.pipeline.config import PipelineConfig
 from plait.pipeline.schedules import SCHEDULES, build_schedule, local_stage_indices
@@ -106,7 +107,10 @@ class Pipeline:
             module.train(mode)
         return self
 
-    def _check_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+    def _check_batch(
+        self, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict[str, torch.Tensor]
+    ) -> dict[str, Any]:
+        """The forward keyword arguments of every stage: the fixed ones and this batch's tensors."""
         if not isinstance(inputs, torch.Tensor) or not isinstance(labels, torch.Tensor):
             raise TypeError(
                 "Pipeline.step(inputs, labels) takes tensors on every rank, got "
@@ -115,37 +119,48 @@ class Pipeline:
         batch = inputs.shape[0]
         if labels.shape[0] != batch:
             raise ValueError(f"inputs batch {batch} and labels batch {labels.shape[0]} differ")
+        for name, value in model_kwargs.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != batch:
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(
+                    f"Pipeline.step keyword {name!r} must be a tensor of batch {batch} (split into "
+                    f"microbatches with the inputs), got {got}"
+                )
         if batch % self.microbatches:
             raise ValueError(
                 f"the batch of {batch} samples does not split into microbatches={self.microbatches}; "
                 "choose a batch size that is a multiple of the microbatch count."
             )
+        kwargs = {**self._forward_kwargs, **{k: v.to(self._device) for k, v in model_kwargs.items()}}
+        for module in self.modules:  # every rank, before the schedule: later stages would wait instead
+            check_cp_inputs(module, kwargs)
+        return kwargs
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, **model_kwargs: torch.Tensor) -> torch.Tensor:
         """One forward + backward over the batch; return the loss (a detached fp32 scalar) on every rank.
 
         Every rank passes the same ``inputs`` and ``labels`` (the data of its data-parallel replica);
-        only the first stage reads the inputs and only the last the labels.
+        only the first stage reads the inputs and only the last the labels. ``model_kwargs`` are
+        batch-first tensors every stage's forward takes, split into microbatches with the inputs:
+        under context parallel, the ``position_ids`` (and document ids) of ``plait.cp.shard_sequence``.
         """
-        self._check_batch(inputs, labels)
+        kwargs = self._check_batch(inputs, labels, model_kwargs)
         args = (inputs.to(self._device),) if self._has_first else ()
         target = labels.to(self._device) if self._has_last else None
         losses: list[torch.Tensor] = []
-        self._schedule.step(
-            *args, target=target, losses=losses if self._has_last else None, **self._forward_kwargs
-        )
+        self._schedule.step(*args, target=target, losses=losses if self._has_last else None, **kwargs)
         return self._share_loss(losses)
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward only (no gradients); return the loss on every rank."""
-        self._check_batch(inputs, labels)
+    def evaluate(
+        self, inputs: torch.Tensor, labels: torch.Tensor, **model_kwargs: torch.Tensor
+    ) -> torch.Tensor:
+        """Forward only (no gradients); return the loss on every rank. ``model_kwargs`` as in `step`."""
+        kwargs = self._check_batch(inputs, labels, model_kwargs)
         args = (inputs.to(self._device),) if self._has_first else ()
         target = labels.to(self._device) if self._has_last else None
         losses: list[torch.Tensor] = []
-        self._schedule.eval(
-            *args, target=target, losses=losses if self._has_last else None, **self._forward_kwargs
-        )
+        self._schedule.eval(*args, target=target, losses=losses if self._has_last else None, **kwargs)
         return self._share_loss(losses)
 
     def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
@@ -256,7 +271,17 @@ def pipeline_model(
         config.schedule, stages, config.num_microbatches(pp_size), _unwrap_output(loss_fn)
     )
     union = StageUnion(modules, parts)
-    return Pipeline(modules, indices, specs, schedule, config, pp_mesh, device, forward_kwargs, union)
+    return Pipeline(
+        modules,
+        indices,
+        specs,
+        schedule,
+        config,
+        pp_mesh,
+        device,
+        forward_kwargs,
+        union,
+    )
 
 
 def _parallelize_stages(
