@@ -16,7 +16,7 @@ CASES = [(True, 4, 2), (False, 4, 4), (True, 6, 1), (False, 2, 1)]
 """(is_causal, query heads, key/value heads)."""
 
 
-def _attention_diffs(variant: str, cases: list[tuple[bool, int, int]] = CASES) -> list[float]:
+def _attention_diffs(variant: str, cases: list[tuple[bool, int, int]] = CASES, v_dim: int = 8) -> list[float]:
     cp, rank = dist.get_world_size(), dist.get_rank()
     attention = ContextParallelAttention(init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",)), variant)
     diffs = []
@@ -25,8 +25,8 @@ def _attention_diffs(variant: str, cases: list[tuple[bool, int, int]] = CASES) -
         batch, seq, dim = 2, 8 * cp, 8
         q = torch.randn(batch, heads, seq, dim, requires_grad=True)
         k = torch.randn(batch, kv_heads, seq, dim, requires_grad=True)
-        v = torch.randn(batch, kv_heads, seq, dim, requires_grad=True)
-        grad = torch.randn(batch, heads, seq, dim)
+        v = torch.randn(batch, kv_heads, seq, v_dim, requires_grad=True)
+        grad = torch.randn(batch, heads, seq, v_dim)
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.3, enable_gqa=True)
         ref.backward(grad)
         idx = global_positions(seq, rank, cp)
@@ -51,6 +51,22 @@ def test_matches_sdpa_on_the_whole_sequence() -> None:
         assert sorted(rank_result) == sorted(CP_ATTENTION_VARIANTS)
         for variant, diffs in rank_result.items():
             assert max(diffs) <= 1e-5, (variant, diffs)
+
+
+def _other_value_dims() -> dict[str, list[float]]:
+    return {
+        f"{variant} v_dim {v_dim}": _attention_diffs(variant, [(True, 4, 4), (False, 4, 2)], v_dim)
+        for variant in CP_ATTENTION_VARIANTS
+        for v_dim in (4, 12)
+    }
+
+
+def test_values_of_another_head_dim() -> None:
+    """Latent attention (MLA): values narrower or wider than q/k (8) give SDPA's output and gradients."""
+    for rank_result in run_on_ranks(_other_value_dims, 2):
+        assert len(rank_result) == 2 * len(CP_ATTENTION_VARIANTS)
+        for case, diffs in rank_result.items():
+            assert max(diffs) <= 1e-5, (case, diffs)
 
 
 def _all_to_all_cp4() -> list[float]:

@@ -30,8 +30,9 @@ class ContextParallelAttention:
     Call it like ``F.scaled_dot_product_attention(q, k, v, is_causal=..., scale=..., enable_gqa=...)``
     with ``[batch, heads, local_seq, head_dim]`` tensors laid out by `plait.cp.shard_sequence` (a head
     and a tail chunk per rank); the result is this rank's part of the attention over the whole
-    sequence. Masks come from the chunks' global positions. An explicit ``attn_mask`` or dropout is
-    refused: neither is implemented across ranks.
+    sequence. Masks come from the chunks' global positions. Values may have another head_dim than
+    queries and keys (latent attention): they are zero-padded to one width. An explicit ``attn_mask``
+    or dropout is refused: neither is implemented across ranks.
 
     Args:
         mesh: the 1-D ``cp`` mesh.
@@ -78,8 +79,10 @@ class ContextParallelAttention:
             raise ValueError(
                 f"context-parallel attention does not implement dropout, got dropout_p={dropout_p}"
             )
-        q, k, v = _grouped(query, key, value, enable_gqa)
         scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+        value_dim = value.shape[-1]
+        query, key, value = _same_head_dim(query, key, value)
+        q, k, v = _grouped(query, key, value, enable_gqa)
         if not math.isfinite(scale):
             raise ValueError(f"attention scale must be finite, got {scale}")
         features = Features(bool(is_causal), window, softcap)
@@ -87,7 +90,7 @@ class ContextParallelAttention:
         _check_documents(documents, query.shape[0], query.shape[2] * self.mesh.size())
         variant = _VARIANTS[self.variant]
         out = variant(q, k, v, self.mesh.get_group(), features, scale, grouped_sinks, documents)
-        return out.flatten(1, 2)
+        return out.flatten(1, 2)[..., :value_dim]
 
 
 def _check_documents(documents: torch.Tensor | None, batch: int, seq: int) -> None:
@@ -112,6 +115,25 @@ def _grouped_sinks(sinks: torch.Tensor | None, kv_heads: int, per_kv: int) -> to
             f"{tuple(sinks.shape)}"
         )
     return sinks.view(kv_heads, per_kv)
+
+
+def _same_head_dim(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Values of another head_dim than the queries/keys (latent attention, MLA) zero-padded to one width.
+
+    Zero columns of q and k leave every score unchanged and zero columns of v give zero output columns
+    (sliced off by the caller), so the chunked variants run on one head_dim; the scale is the caller's.
+    """
+    qk_dim, v_dim = query.shape[-1], value.shape[-1]
+    if qk_dim == v_dim or key.shape[-1] != qk_dim or key.shape[:-1] != value.shape[:-1]:
+        return query, key, value  # equal, or a shape _grouped refuses
+    width = max(qk_dim, v_dim)
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+
+    return pad(query), pad(key), pad(value)
 
 
 def _grouped(
