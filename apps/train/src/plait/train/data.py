@@ -166,7 +166,7 @@ class _Split:
             raise ValueError(f"the tokenizer produced id {int(chunk.max())}, above its vocab_size")
         chunk = chunk.astype(self.dtype)
         if self._file is not None:
-            self._file.write(chunk.tobytes())
+            self._file.write(chunk.data)  # no copy
         else:
             self._kept.append(chunk)
         self.length += len(chunk)
