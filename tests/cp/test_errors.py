@@ -140,3 +140,27 @@ def test_multimodal_models_are_refused(fake_pg) -> None:
     models = pytest.importorskip("plait.models")
     with fake_pg(2), pytest.raises(ValueError, match=r"visual \(VisionTower\): a multimodal tower"):
         apply_context_parallel(models.VLM(), _ctx())
+
+
+@pytest.mark.parametrize(
+    ("model_type", "match"),
+    [
+        ("llama4_text", r"has chunked attention layers \(config\.attention_chunk_size=8\)"),
+        ("deepseek_v32", r"self_attn: DeepseekV32Attention has indexer \(DeepseekV32Indexer\): sparse"),
+        ("lfm2_moe", r"layers\.0\.conv\.conv: a convolution over the sequence \(Conv1d, kernel 3\)"),
+    ],
+)
+def test_attention_cp_cannot_see_is_refused_by_name(fake_pg, model_type: str, match: str) -> None:
+    """Chunks in the mask alone, an indexer choosing keys over the whole sequence, a causal conv over time:
+    each would give a silent mismatch (tools/hf_sweep's cp cases measured them) if cp ran them."""
+    from transformers import AutoModelForCausalLM
+
+    from plait.testing import sweep_hf_config
+
+    with fake_pg(2):
+        model = AutoModelForCausalLM.from_config(sweep_hf_config(model_type, 2, cp=2))
+        with pytest.raises(ValueError, match=match):
+            check_context_parallel_model(model, _ctx())
+        with pytest.raises(ValueError, match=match):
+            apply_context_parallel(model, _ctx())
+        assert model.config._attn_implementation == "eager"  # nothing changed

@@ -22,7 +22,7 @@ from torch import nn
 from plait.cp.all_to_all import all_to_all_refusal
 from plait.cp.attention import ContextParallelAttention
 from plait.cp.choice import CPAttentionChoice, choose_cp_attention, heads_of
-from plait.cp.hf import attach_hf, hf_module_refusal, hf_refusal, is_hf_model
+from plait.cp.hf import attach_hf, hf_module_refusal, hf_refusal, is_hf_model, sequence_mixer_refusal
 from plait.cp.layout import DOCUMENTS_KEY, cp_mesh, global_positions
 
 if TYPE_CHECKING:
@@ -127,6 +127,8 @@ def _find_attention(model: nn.Module) -> tuple[list[nn.Module], list[tuple[nn.Mo
                     modules.append(sub)
                     if sub_why := hf_module_refusal(sub):
                         problems.append(f"{_join(name, sub_name)}: {sub_why}")
+                elif mixer_why := sequence_mixer_refusal(sub):
+                    problems.append(f"{_join(name, sub_name)}: {mixer_why}")
             hf_models.append((module, modules))
         elif callable(getattr(module, "attention_fn", None)):
             fn_modules.append(module)

@@ -45,6 +45,12 @@ def hf_refusal(model: nn.Module) -> str | None:
             f"{name} sets config.sliding_window_pattern={text.sliding_window_pattern!r} without "
             "config.layer_types; cp cannot tell which layers slide"
         )
+    if "chunked_attention" in (getattr(text, "layer_types", None) or ()):
+        return (
+            f"{name} has chunked attention layers (config.attention_chunk_size="
+            f"{getattr(text, 'attention_chunk_size', None)!r}): the chunks live in the mask alone, which cp "
+            "attention does not see"
+        )
     if getattr(text, "attention_dropout", 0.0):
         return (
             f"{name} has attention_dropout={text.attention_dropout}; cp attention does not implement dropout"
@@ -70,6 +76,12 @@ def hf_module_refusal(module: nn.Module) -> str | None:
         "softcap": bool(getattr(config, "attn_logit_softcapping", None)),
         "s_aux": getattr(module, "sinks", None) is not None,
     }
+    for child in ("indexer", "compressor"):
+        if isinstance(getattr(module, child, None), nn.Module):
+            return (
+                f"{type(module).__name__} has {child} ({type(getattr(module, child)).__name__}): sparse or "
+                "compressed attention picks or pools keys over the whole sequence, which cp splits"
+            )
     source = _forward_source(type(module))
     for keyword, present in has.items():
         if present and f"{keyword}=" not in source:
@@ -77,6 +89,20 @@ def hf_module_refusal(module: nn.Module) -> str | None:
                 f"{type(module).__name__} has {_FEATURE_KWARGS[keyword]} but its forward does not pass "
                 f"{keyword}= to the attention function; cp attention cannot see it"
             )
+    return None
+
+
+def sequence_mixer_refusal(module: nn.Module) -> str | None:
+    """Why a non-attention module of an HF model mixes tokens along the sequence (a convolution), or None.
+
+    A causal ``Conv1d`` over time (Mamba mixers, short convolutions) would read only this rank's
+    chunks: its first tokens would miss the previous chunk's.
+    """
+    if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:
+        return (
+            f"a convolution over the sequence (Conv1d, kernel {module.kernel_size[0]}): its window crosses "
+            "the cp chunk boundaries, where this rank does not hold the previous tokens"
+        )
     return None
 
 
