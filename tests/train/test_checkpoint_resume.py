@@ -1,5 +1,7 @@
 """Resume anywhere: a checkpoint of dp_shard=2 x tp=2 continues at dp_shard=4, on 2 ranks and on 1.
 
+HSDP, expert-parallel and pp 2 x cp 2 checkpoints resume at other meshes too.
+
 The global batch stays 4 sequences (micro-batch x dp x accumulation), so an uninterrupted run at
 the new mesh is the reference: its losses after the resume step and the samples of every step
 must be those of the resumed run.
@@ -69,9 +71,19 @@ EP_TO_ONE = (
     ["model.source=moe", "parallel.tp_size=1", "data.micro_batch_size=2", "train.grad_accum=2"],
 )
 
+PP_CP_TO_FSDP = (
+    4,
+    ["parallel.pp_size=2", "parallel.cp_size=2", "parallel.tp_size=1", "data.micro_batch_size=4"],
+    4,
+    ["parallel.tp_size=1", "data.micro_batch_size=1"],
+)
+"""Two stages, each context-parallel over 2 ranks, to dp_shard 4: the same 4 sequences a step."""
+
 
 @pytest.mark.parametrize(
-    ("saved_world", "saved_at", "world", "resumed_at"), [HSDP_TO_FSDP, EP_TO_ONE], ids=["hsdp", "ep"]
+    ("saved_world", "saved_at", "world", "resumed_at"),
+    [HSDP_TO_FSDP, EP_TO_ONE, PP_CP_TO_FSDP],
+    ids=["hsdp", "ep", "pp2 x cp2"],
 )
 def test_hsdp_and_expert_parallel_checkpoints_resume_elsewhere(
     saved_world: int, saved_at: list[str], world: int, resumed_at: list[str], tmp_path: Path
