@@ -148,11 +148,12 @@ def test_multimodal_models_are_refused(fake_pg) -> None:
         ("llama4_text", r"has chunked attention layers \(config\.attention_chunk_size=8\)"),
         ("deepseek_v32", r"self_attn: DeepseekV32Attention has indexer \(DeepseekV32Indexer\): sparse"),
         ("lfm2_moe", r"layers\.0\.conv\.conv: a convolution over the sequence \(Conv1d, kernel 3\)"),
+        ("minimax", r"self_attn: MiniMaxLightningAttention computes attention in its own forward"),
     ],
 )
 def test_attention_cp_cannot_see_is_refused_by_name(fake_pg, model_type: str, match: str) -> None:
-    """Chunks in the mask alone, an indexer choosing keys over the whole sequence, a causal conv over time:
-    each would give a silent mismatch (tools/hf_sweep's cp cases measured them) if cp ran them."""
+    """Chunks in the mask alone, an indexer choosing keys over the whole sequence, a causal conv over time,
+    lightning attention: each gave a silent mismatch or a crash in tools/hf_sweep's cp cases."""
     from transformers import AutoModelForCausalLM
 
     from plait.testing import sweep_hf_config

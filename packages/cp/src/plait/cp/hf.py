@@ -58,6 +58,8 @@ def hf_refusal(model: nn.Module) -> str | None:
     return None
 
 
+_DISPATCH_MARKERS = ("ALL_ATTENTION_FUNCTIONS", "attention_interface")
+"""What the forward of a transformers attention module that dispatches by ``_attn_implementation`` contains."""
 _FEATURE_KWARGS = {"sliding_window": "window", "softcap": "softcap", "s_aux": "sinks"}
 """The attention-function keywords of transformers' attention modules cp honours, and its own names."""
 
@@ -89,7 +91,19 @@ def hf_module_refusal(module: nn.Module) -> str | None:
                 f"{type(module).__name__} has {_FEATURE_KWARGS[keyword]} but its forward does not pass "
                 f"{keyword}= to the attention function; cp attention cannot see it"
             )
-    return None
+    return _dispatch_refusal(type(module))
+
+
+def _dispatch_refusal(cls: type) -> str | None:
+    """Why an HF ``*Attention`` class never reaches transformers' attention functions (linear or
+    lightning attention computed in its own forward), or None (also when no source can be read)."""
+    sources = [_forward_source(c) for c in cls.__mro__ if "forward" in vars(c) and c is not nn.Module]
+    if not any(sources) or any(marker in src for src in sources for marker in _DISPATCH_MARKERS):
+        return None
+    return (
+        f"{cls.__name__} computes attention in its own forward (it does not call transformers' attention "
+        "functions, where cp attention is registered)"
+    )
 
 
 def sequence_mixer_refusal(module: nn.Module) -> str | None:
