@@ -12,15 +12,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hf_sweep.family import CASES, run_family
+from hf_sweep.family import Case, run_family, select_cases
 from hf_sweep.report import markdown_table, summary
 
 HERE = Path(__file__).resolve().parent.parent
 
 
-def _run_family(model_type: str, timeout: float, case_timeout: float) -> list[dict[str, Any]]:
+def _run_family(
+    model_type: str, timeout: float, case_timeout: float, cases: tuple[Case, ...]
+) -> list[dict[str, Any]]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "hf_sweep.family", model_type, "--timeout", str(case_timeout)]
+    names = ",".join(c.name for c in cases)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hf_sweep.family",
+        model_type,
+        "--timeout",
+        str(case_timeout),
+        "--cases",
+        names,
+    ]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True
     )
@@ -31,7 +43,7 @@ def _run_family(model_type: str, timeout: float, case_timeout: float) -> list[di
         stdout, _ = proc.communicate()
     records = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     done = {r["case"] for r in records}
-    for name, _, _ in CASES:
+    for name in (c.name for c in cases):
         if name not in done:
             why = (
                 f"process exited with {proc.returncode}"
@@ -42,22 +54,26 @@ def _run_family(model_type: str, timeout: float, case_timeout: float) -> list[di
     return records
 
 
-def _run_in_process(model_type: str, case_timeout: float, dtype: str) -> list[dict[str, Any]]:
+def _run_in_process(
+    model_type: str, case_timeout: float, dtype: str, cases: tuple[Case, ...]
+) -> list[dict[str, Any]]:
     try:
-        return list(run_family(model_type, case_timeout, dtype))
+        return list(run_family(model_type, case_timeout, dtype, cases))
     except Exception as exc:  # building the family's config or model failed outside the ranks
         message = f"{type(exc).__name__}: {str(exc)[:400]}"
-        return [{"family": model_type, "case": n, "status": "crash", "message": message} for n, _, _ in CASES]
+        return [{"family": model_type, "case": c.name, "status": "crash", "message": message} for c in cases]
 
 
-def _finished(jsonl: Path) -> set[str]:
+def _finished(jsonl: Path, cases: tuple[Case, ...]) -> set[str]:
+    """Families with a record in ``jsonl`` for each of ``cases``."""
     if not jsonl.exists():
         return set()
     records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
-    cases: dict[str, set[str]] = {}
+    found: dict[str, set[str]] = {}
     for r in records:
-        cases.setdefault(r["family"], set()).add(r["case"])
-    return {family for family, done in cases.items() if len(done) == len(CASES)}
+        found.setdefault(r["family"], set()).add(r["case"])
+    wanted = {c.name for c in cases}
+    return {family for family, done in found.items() if wanted <= done}
 
 
 def _line(r: dict[str, Any]) -> str:
@@ -93,7 +109,12 @@ def main(argv: list[str] | None = None) -> int:
         default="float32",
         help="model dtype (float64: is a float32 MISMATCH rounding? use with --out elsewhere)",
     )
-    parser.add_argument("--resume", action="store_true", help="skip families already in results.jsonl")
+    parser.add_argument(
+        "--resume", action="store_true", help="skip families with every chosen case in results.jsonl"
+    )
+    parser.add_argument(
+        "--cases", default="", help="comma-separated cases, e.g. cp2,cp2_tp2 (default: every case)"
+    )
     parser.add_argument(
         "--floor",
         action="store_true",
@@ -107,26 +128,31 @@ def main(argv: list[str] | None = None) -> int:
     family_timeout = 1500.0 if args.timeout is None else args.timeout
     from plait.testing import sweep_hf_families
 
+    cases = select_cases(args.cases)
+
     args.out.mkdir(parents=True, exist_ok=True)
     if args.floor:
         from hf_sweep.floor import sweep_floor
 
         sweep_floor(
-            sweep_hf_families([f for f in args.families.split(",") if f] or None), args.out, args.case_timeout
+            sweep_hf_families([f for f in args.families.split(",") if f] or None),
+            args.out,
+            args.case_timeout,
+            cases,
         )
         return 0
     jsonl = args.out / "results.jsonl"
     if not args.report_only:
         families = sweep_hf_families([f for f in args.families.split(",") if f] or None)
         if args.resume:
-            families = [f for f in families if f not in _finished(jsonl)]
-        print(f"# {len(families)} families, cases {[c[0] for c in CASES]}", flush=True)
+            families = [f for f in families if f not in _finished(jsonl, cases)]
+        print(f"# {len(families)} families, cases {[c.name for c in cases]}", flush=True)
         for model_type in families:
             start = time.monotonic()
             if args.isolate:
-                records = _run_family(model_type, family_timeout, args.case_timeout)
+                records = _run_family(model_type, family_timeout, args.case_timeout, cases)
             else:
-                records = _run_in_process(model_type, args.case_timeout, args.dtype)
+                records = _run_in_process(model_type, args.case_timeout, args.dtype, cases)
             with jsonl.open("a") as f:
                 for r in records:
                     r["seconds"] = round(time.monotonic() - start, 1)

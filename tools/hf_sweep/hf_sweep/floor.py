@@ -18,15 +18,24 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from hf_sweep.family import CASES
-from hf_sweep.rank import LR, ROWS, SEQ, VOCAB, build_model, lm_loss, relative_diff
+from hf_sweep.family import CASES, Case
+from hf_sweep.rank import (
+    LR,
+    build_model,
+    global_batch,
+    lm_loss,
+    local_batch,
+    next_tokens,
+    parallel_copy,
+    relative_diff,
+)
 
 __all__ = ["run_floor", "sweep_floor"]
 
@@ -49,29 +58,21 @@ def _micro_step(model: nn.Module, ids: torch.Tensor) -> None:
         (loss / 2).backward()
 
 
-def run_floor(model_type: str, tp: int, sp: bool) -> dict[str, Any]:
+def run_floor(model_type: str, tp: int, sp: bool, cp: int = 1) -> dict[str, Any]:
     """Distances (gradients at step 0, parameters after 2 SGD steps) between the four copies, on every rank."""
-    from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
-    from plait.sidecar import parallelize_model
-
-    world, rank = dist.get_world_size(), dist.get_rank()
-    dp, dp_rank = world // tp, rank // tp
-    ref = build_model(model_type, tp, torch.float32)
+    ref = build_model(model_type, tp, torch.float32, cp)
     wide, micro = _float64_copy(ref), copy.deepcopy(ref)
-    ctx = MeshContext.build(FSDP2Config(mp_policy=None, sequence_parallel=sp), ParallelismSizes(tp_size=tp))
-    par = parallelize_model(copy.deepcopy(ref), ctx)
+    par, ctx = parallel_copy(ref, tp, sp, cp)
     models = (ref, wide, micro, par)
     opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=LR) for m in models]
     pairs = {"ref-f64": (wide, ref), "par-f64": (wide, par), "par-ref": (ref, par), "micro": (ref, micro)}
     out: dict[str, Any] = {}
     for step in range(2):
-        ids = torch.randint(
-            3, VOCAB, (dp * ROWS, SEQ + 1), generator=torch.Generator().manual_seed(100 + step)
-        )
-        lm_loss(ref, ids)
-        lm_loss(wide, ids)
+        ids = global_batch(ctx, step)
+        lm_loss(ref, next_tokens(ids))
+        lm_loss(wide, next_tokens(ids))
         _micro_step(micro, ids)
-        lm_loss(par, ids[dp_rank * ROWS : (dp_rank + 1) * ROWS])
+        lm_loss(par, local_batch(ctx, ids))
         if step == 0:
             out["grad"] = {name: relative_diff(a, b, grads=True) for name, (a, b) in pairs.items()}
         for opt in opts:
@@ -89,17 +90,17 @@ def _format(family: str, case: str, record: dict[str, Any]) -> str:
     return f"{family:<24} {case:<7} " + " | ".join(cells)
 
 
-def sweep_floor(families: list[str], out: Path, timeout: float) -> None:
+def sweep_floor(families: list[str], out: Path, timeout: float, cases: Sequence[Case] = CASES) -> None:
     """Each case of each family on 4 gloo ranks: one line on stdout, one JSON record in ``out/floor.jsonl``."""
     from plait.testing import run_on_ranks
 
     with (out / "floor.jsonl").open("a") as f:
         for family in families:
-            for case, tp, sp in CASES:
+            for case in cases:
                 try:
-                    record = run_on_ranks(run_floor, 4, family, tp, sp, timeout=timeout)[0]
+                    record = run_on_ranks(run_floor, 4, family, case.tp, case.sp, case.cp, timeout=timeout)[0]
                 except Exception as exc:  # a refusal, a crash or a hang: the sweep's own table says which
-                    print(f"{family:<24} {case:<7} {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+                    print(f"{family:<24} {case.name:<7} {type(exc).__name__}: {str(exc)[:160]}", flush=True)
                     continue
-                f.write(json.dumps({"family": family, "case": case, **record}) + "\n")
-                print(_format(family, case, record), flush=True)
+                f.write(json.dumps({"family": family, "case": case.name, **record}) + "\n")
+                print(_format(family, case.name, record), flush=True)

@@ -1,11 +1,11 @@
-"""The support matrix: one row per family (tp2 | tp2+SP | tp4 | refused because ...), and the counts."""
+"""The support matrix: one row per family (a column per case, then why a case does not pass), and the counts."""
 
 from __future__ import annotations
 
 from collections import Counter
 from typing import Any
 
-from hf_sweep.family import CASES
+from hf_sweep.family import CASES, CP_CASES, TP_CASES
 
 _MARK = {
     "pass": "pass",
@@ -14,6 +14,7 @@ _MARK = {
     "crash": "**CRASH**",
     "config": "config",
 }
+_STATUSES = ("pass", "refused", "mismatch", "crash", "config")
 
 
 def _families(results: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -24,8 +25,8 @@ def _families(results: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, An
 
 
 def family_status(cases: dict[str, dict[str, Any]]) -> str:
-    """pass (every case passes, or tp4 alone is refused for its heads), refused, failing or config."""
-    statuses = [cases.get(name, {}).get("status", "crash") for name, _, _ in CASES]
+    """Under TP: pass (every tp case passes, or tp4 alone is refused for its heads), refused, failing or config."""
+    statuses = [cases.get(c.name, {}).get("status", "crash") for c in TP_CASES]
     if any(s in ("mismatch", "crash") for s in statuses):
         return "failing"
     if statuses[:2] == ["pass", "pass"] and statuses[2] in ("pass", "refused"):
@@ -36,28 +37,52 @@ def family_status(cases: dict[str, dict[str, Any]]) -> str:
 
 
 def _reason(cases: dict[str, dict[str, Any]]) -> str:
-    for name, _, _ in CASES:
-        r = cases.get(name, {})
-        if r.get("status") != "pass" and r.get("message"):
-            text = r["message"].replace("|", "/").replace("\n", " ")
-            return f"{name}: {text[:220]}"
-    return ""
+    """Each run case that does not pass, with (the start of) its message; a message repeated is named once."""
+    parts: list[str] = []
+    said: dict[str, str] = {}
+    for case in CASES:
+        r = cases.get(case.name, {})
+        if r.get("status", "pass") == "pass" or not r.get("message"):
+            continue
+        text = r["message"].replace("|", "/").replace("\n", " ")[:200]
+        parts.append(f"{case.title}: as {said[text]}" if text in said else f"{case.title}: {text}")
+        said.setdefault(text, case.title)
+    return "; ".join(parts)
 
 
 def markdown_table(results: list[dict[str, Any]]) -> str:
-    """``family | tp2 | tp2+SP | tp4 | refused because ...`` for every family in ``results``."""
-    rows = ["| family | tp2 | tp2+SP | tp4 | refused / failing because |", "|---|---|---|---|---|"]
+    """``family | tp2 | tp2+SP | tp4 | cp2 | cp2 x tp2 | refused / failing because`` for every family."""
+    titles = " | ".join(c.title for c in CASES)
+    rows = [f"| family | {titles} | refused / failing because |", "|---|" + "---|" * (len(CASES) + 1)]
     for family, cases in sorted(_families(results).items()):
-        marks = [_MARK.get(cases.get(name, {}).get("status", ""), "-") for name, _, _ in CASES]
+        marks = [_MARK.get(cases.get(c.name, {}).get("status", ""), "-") for c in CASES]
         rows.append(f"| {family} | {' | '.join(marks)} | {_reason(cases)} |")
     return "\n".join(rows)
 
 
+def _case_counts(families: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """``cp2: P pass, R refused, M mismatch, C crash, G config (of N)`` for each case anyone ran."""
+    lines = []
+    for case in CASES:
+        statuses = [cases[case.name]["status"] for cases in families.values() if case.name in cases]
+        if statuses:
+            counts = Counter(statuses)
+            body = ", ".join(f"{counts[s]} {s}" for s in _STATUSES)
+            lines.append(f"- `{case.name}`: {body} (of {len(statuses)})")
+    return lines
+
+
 def summary(results: list[dict[str, Any]]) -> str:
-    """``N families: P pass, R refused, F failing, C config`` (a family passes when tp2 and tp2+SP pass)."""
-    counts = Counter(family_status(cases) for cases in _families(results).values())
+    """The families under TP (pass when tp2 and tp2+SP pass), the cp cases' family counts, and per-case counts."""
+    families = _families(results)
+    counts = Counter(family_status(cases) for cases in families.values())
     total = sum(counts.values())
-    return (
+    lines = [
         f"{total} families: {counts['pass']} pass, {counts['refused']} refused up front, "
         f"{counts['failing']} failing (mismatch or crash), {counts['config']} tiny config does not build"
-    )
+    ]
+    cp_run = [c for c in families.values() if all(k.name in c for k in CP_CASES)]
+    if cp_run:
+        both = sum(all(c[k.name]["status"] == "pass" for k in CP_CASES) for c in cp_run)
+        lines[0] += f"; under cp: {both} of {len(cp_run)} pass both cp2 and cp2_tp2"
+    return "\n".join([*lines, "", *_case_counts(families)])

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "SWEEP_CP_WINDOWS",
     "SWEEP_HF_HEADS",
     "SWEEP_HF_OVERRIDES",
     "SWEEP_HF_SIZES",
@@ -107,6 +108,11 @@ SWEEP_HF_OVERRIDES: dict[str, dict[str, Any]] = {
 }
 
 
+SWEEP_CP_WINDOWS: dict[str, int] = {"sliding_window": 5, "attention_chunk_size": 8}
+"""Under cp, local windows shrunk to fit the sweep's 16 tokens (a default of 4096 would hide them): a
+5-token window and 8-token chunks cross the cp2 chunk boundaries. Set only where the config has one."""
+
+
 def sweep_hf_families(only: list[str] | None = None) -> list[str]:
     """Causal-LM model types of the installed transformers whose config declares a ``base_model_tp_plan``."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -128,8 +134,11 @@ def sweep_hf_families(only: list[str] | None = None) -> list[str]:
     return found
 
 
-def sweep_hf_config(model_type: str, tp: int) -> Any:
-    """The family's tiny config for ``tp`` (4 heads / 2 KV heads at tp 2, 8 / 4 at tp 4), eager attention, no dropout."""
+def sweep_hf_config(model_type: str, tp: int, cp: int = 1) -> Any:
+    """The family's tiny config for ``tp`` (4 heads / 2 KV heads at tp 2, 8 / 4 at tp 4), eager attention, no dropout.
+
+    ``cp > 1``: the windows of :data:`SWEEP_CP_WINDOWS` that the config sets, shrunk.
+    """
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -144,5 +153,13 @@ def sweep_hf_config(model_type: str, tp: int) -> Any:
         # Random per-process noise (dropout, router jitter) differs between the two copies.
         if ("dropout" in name or "jitter" in name) and isinstance(value, float) and value > 0:
             setattr(config, name, 0.0)
+    if cp > 1:
+        _shrink_windows(getattr(config, "text_config", None) or config)
     config._attn_implementation = "eager"
     return config
+
+
+def _shrink_windows(config: Any) -> None:
+    for name, value in SWEEP_CP_WINDOWS.items():
+        if isinstance(getattr(config, name, None), int) and getattr(config, name) > value:
+            setattr(config, name, value)
