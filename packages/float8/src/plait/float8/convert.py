@@ -7,6 +7,7 @@ use raises one ImportError naming the extra to install.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 from torch import nn
 
@@ -55,8 +56,9 @@ def precompute_float8_scales(model: nn.Module) -> None:
     it must be called after every step (the all-gather uses the scales it left). A no-op for a model
     without float8 all-gather weights (or without torchao), so plain loops may always call it.
     """
-    try:
-        float8 = require_torchao()
-    except ImportError:
-        return  # no torchao, no Float8Linear: nothing to precompute
+    float8 = sys.modules.get("torchao.float8")
+    if float8 is None:
+        # torchao.float8 never imported: no Float8Linear exists. Importing it here would cost every
+        # run without float8 torchao's import time and its torch warnings.
+        return
     float8.precompute_float8_dynamic_scale_for_fsdp(model)
