@@ -56,6 +56,8 @@ F8_2 = "tests/float8/test_parity.py::test_float8_parity_on_two_ranks"
 """2 ranks, float8 (emulated): dp_shard 2 (tensorwise, rowwise, float8 all-gather), tp 2, tp 2 + selective AC."""
 F8_4 = "tests/float8/test_parity.py::test_float8_parity_on_four_ranks"
 """4 ranks, float8 (emulated): dp_shard 2 x tp 2, HSDP 2 x 2 + full AC."""
+F8_COMPILED = "tests/float8/test_compile.py::test_compiled_float8_layers_with_full_ac_match_eager_float8"
+"""2 ranks, float8 (emulated): dp_shard 2 + full AC + per-layer compile against the same model eager."""
 
 
 def _(*items: str) -> frozenset[str]:
@@ -133,6 +135,7 @@ BUILT_BY: dict[frozenset[str], str] = {
     _("ac_selective", "float8"): F8_2,
     _("dp_replicate", "float8"): F8_4,
     _("ac_full", "float8"): F8_4,
+    _("compile", "float8"): F8_COMPILED,
     # Megatron-FSDP (CUDA only: these skip on CPU with the reason)
     _("dp_shard", "megatron_fsdp"): MEGATRON,
 }

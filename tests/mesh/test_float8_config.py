@@ -62,7 +62,6 @@ def test_yaml_forms() -> None:
         ),
         ({}, {"cp_size": 2}, r"cp_size=2 with float8 .* is not supported: .*set cp_size to 1"),
         ({}, {"pp_size": 2}, r"pp_size=2 with float8 .* pipeline path"),
-        ({"enable_compile": True}, {}, r"enable_compile=True with float8 .* turn enable_compile off"),
     ],
 )
 def test_the_table_refuses_what_no_parity_run_covers(options: dict, sizes: dict, match: str) -> None:
@@ -79,6 +78,7 @@ def test_rowwise_under_tp_is_refused_and_tensorwise_is_built() -> None:
     ):
         check_combination(combination_request(rowwise, sizes))
     check_combination(combination_request(FSDP2Config(float8=Float8Config()), sizes))
+    check_combination(combination_request(FSDP2Config(float8=Float8Config(), enable_compile=True), sizes))
     for features, match in ((["moe"], "grouped GEMMs"), (["multimodal"], "media towers")):
         with pytest.raises(ValueError, match=match):
             check_combination(

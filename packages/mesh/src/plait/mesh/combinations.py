@@ -91,11 +91,6 @@ _FLOAT8_RULES: tuple[CombinationRule, ...] = (
         f"set sequence_parallel to False or {_FLOAT8_OFF}",
     ),
     _rule(
-        {"float8", "compile"},
-        "float8 with per-layer compile has no parity run yet",
-        f"turn enable_compile off or {_FLOAT8_OFF}",
-    ),
-    _rule(
         {"float8", "cp"},
         "float8 with context parallel has no parity run yet",
         f"set cp_size to 1 or {_FLOAT8_OFF}",
