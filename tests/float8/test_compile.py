@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -76,6 +77,7 @@ def _compiled_vs_eager() -> dict[str, dict[str, object]]:
     }
 
 
+@pytest.mark.slow  # inductor builds the layers (~2 min cold): tools/slow_tests, as the other compiled cases
 def test_compiled_float8_layers_with_full_ac_match_eager_float8() -> None:
     for rank in run_on_ranks(_compiled_vs_eager, 2, timeout=600.0):
         fp32, eager, compiled = rank["fp32"], rank["eager"], rank["compiled"]

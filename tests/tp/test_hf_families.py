@@ -45,7 +45,8 @@ def _check(results: list[dict[str, dict[str, Any]]], expected: list[Family]) -> 
 
 @pytest.mark.parametrize(
     "sp",
-    [pytest.param(False, marks=pytest.mark.slow), True],  # tp2 without SP: tools/slow_tests (tp4 covers it)
+    # tools/slow_tests: tp4 (SP off) and the core families at tp4 with SP cover both in tools/test
+    [pytest.param(False, marks=pytest.mark.slow), pytest.param(True, marks=pytest.mark.slow)],
     ids=["tp2", "tp2_sp"],
 )
 def test_families_dp_shard2_tp2(sp: bool) -> None:

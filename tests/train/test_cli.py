@@ -221,6 +221,7 @@ def test_a_too_small_hf_vocabulary_is_one_line_from_validate_plan_and_train(comm
     assert "set model.hf_config.vocab_size >= 257" in line
 
 
+@pytest.mark.slow  # torchrun's start-up: tools/slow_tests (the local launcher's ranks refuse it in tools/test)
 def test_a_bad_recipe_fails_on_every_torchrun_rank_without_hanging(tmp_path: Path):
     """A too-small HF vocabulary (the check shared with a wrong mesh or a bad key) under torchrun."""
     run_dir = tmp_path / "never"

@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.train._ranks import run_killing_a_rank
@@ -29,6 +30,7 @@ def _corpus(path: Path) -> list[str]:
     return texts
 
 
+@pytest.mark.slow  # 4 ranks twice over: tools/slow_tests (test_hf_datasets and test_checkpoint_resume cover resume)
 def test_hf_llama_on_a_local_tokenizer_and_jsonl_resumes_exactly_on_four_ranks(tmp_path: Path):
     texts = _corpus(tmp_path / "docs.jsonl")
     tokenizer = _bpe_tokenizer(tmp_path / "tok", texts, vocab_size=300)

@@ -33,8 +33,11 @@ REFUSED: list[tuple[str, list[str]]] = [
     ("ddp", ["parallel.compile=true"]),
     ("moe_ep", ["parallel.tp_size=2", "parallel.sequence_parallel=true"]),
     ("moe_ep", ["parallel.pp_size=2", NO_EXPORT]),
-    ("dense_fsdp2", ["parallel.cp_size=2", "parallel.pp_size=2", NO_EXPORT]),
-    ("moe_ep", ["parallel.cp_size=2"]),
+    (
+        "dense_fsdp2",
+        ["parallel.pp_size=2", "parallel.tp_size=2", "parallel.sequence_parallel=true", NO_EXPORT],
+    ),
+    ("ddp", ["parallel.cp_size=2"]),
     ("vlm_frozen_tower", ["parallel.cp_size=2"]),
     ("dense_fsdp2", ["parallel.ep_size=2"]),
     ("dense_fsdp2", ["parallel.tp_size=2", "parallel.sequence_parallel=true", "data.seq_len=7"]),
