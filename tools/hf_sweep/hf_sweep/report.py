@@ -75,7 +75,8 @@ def _case_counts(families: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
 def summary(results: list[dict[str, Any]]) -> str:
     """The families under TP (pass when tp2 and tp2+SP pass), the cp cases' family counts, and per-case counts."""
     families = _families(results)
-    counts = Counter(family_status(cases) for cases in families.values())
+    tp_run = [c for c in families.values() if any(k.name in c for k in TP_CASES)]
+    counts = Counter(family_status(cases) for cases in tp_run)
     total = sum(counts.values())
     lines = [
         f"{total} families: {counts['pass']} pass, {counts['refused']} refused up front, "

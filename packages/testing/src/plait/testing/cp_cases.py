@@ -43,6 +43,12 @@ CP_FEATURE_MODELS: dict[str, dict[str, Any]] = {
         "query_pre_attn_scalar": 4,
         "vector_noise": 0.1,
     },
+    "gemma3_text": {
+        "sliding_window": 5,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "query_pre_attn_scalar": 4,
+        "vector_noise": 0.1,
+    },
     "gpt_oss": {
         "sliding_window": 5,
         "intermediate_size": 16,
@@ -53,7 +59,8 @@ CP_FEATURE_MODELS: dict[str, dict[str, Any]] = {
 }
 """Families whose attention has a window, soft-capping or sinks, with settings that make them matter at
 :data:`CP_SEQ` (a 5-token window spans chunk and rank boundaries at cp 2 and 4; soft-cap 1.0 bends
-the scores; ``query_pre_attn_scalar`` 4 makes Gemma 2's scores large)."""
+the scores; ``query_pre_attn_scalar`` 4 makes Gemma 2's and Gemma 3's scores large; Gemma 3 mixes a
+sliding and a global layer)."""
 
 
 def cp_decoder(kind: str) -> nn.Module:
