@@ -22,7 +22,10 @@ RECIPE = [
 ]
 
 
-def _train_losses(run_dir: str, overrides: list[str], steps: int) -> list[float]:
+def _train_losses(
+    run_dir: str, overrides: list[str], steps: int, name: str = "hf_llama", base: list[str] = RECIPE
+) -> list[float]:
+    """The recipe ``name`` (``base`` and ``overrides`` on top) on this world: its train losses, then val."""
     import torch
     import torch.distributed as dist
 
@@ -31,7 +34,7 @@ def _train_losses(run_dir: str, overrides: list[str], steps: int) -> list[float]
     from plait.train.setup import check_recipe
     from plait.train.trainer import Trainer
 
-    recipe = load_recipe("hf_llama", [*RECIPE, f"out_dir={run_dir}", *overrides])
+    recipe = load_recipe(name, [*base, f"out_dir={run_dir}", *overrides])
     world = dist.get_world_size()
     info = DistributedInfo(
         rank=dist.get_rank(), world_size=world, local_rank=dist.get_rank(), device=torch.device("cpu")
@@ -89,29 +92,10 @@ def test_plan_prints_the_auto_choice_and_its_reason() -> None:
 MOE = ["data.seq_len=32", "data.micro_batch_size=2", "data.max_bytes=60000", "train.val_batches=1"]
 
 
-def _moe_losses(run_dir: str, overrides: list[str], steps: int) -> list[float]:
-    """The ``moe_ep`` recipe (activation checkpointing on) on this world: its train losses, then val."""
-    import torch
-    import torch.distributed as dist
-
-    from plait.mesh import DistributedInfo
-    from plait.train.recipes import load_recipe
-    from plait.train.setup import check_recipe
-    from plait.train.trainer import Trainer
-
-    recipe = load_recipe("moe_ep", [*MOE, f"out_dir={run_dir}", *overrides])
-    world = dist.get_world_size()
-    info = DistributedInfo(
-        rank=dist.get_rank(), world_size=world, local_rank=dist.get_rank(), device=torch.device("cpu")
-    )
-    trainer = Trainer(recipe, check_recipe(recipe, world), info)
-    return [trainer.train_step()["loss"] for _ in range(steps)] + [trainer.validate()]
-
-
 def test_moe_recipe_at_cp2_x_ep2_matches_its_fsdp_run(tmp_path: Path) -> None:
     """4 ranks (dp_shard 2 x cp 2, experts over ep 2) against FSDP on 2 ranks: the same 2-row global batch."""
-    ref = run_on_ranks(_moe_losses, 2, str(tmp_path / "fsdp"), ["parallel.ep_size=1"], 5)[0]
+    ref = run_on_ranks(_train_losses, 2, str(tmp_path / "fsdp"), ["parallel.ep_size=1"], 5, "moe_ep", MOE)[0]
     overrides = ["parallel.cp_size=2", "parallel.ep_size=2"]
-    for got in run_on_ranks(_moe_losses, 4, str(tmp_path / "cp2_ep2"), overrides, 5):
+    for got in run_on_ranks(_train_losses, 4, str(tmp_path / "cp2_ep2"), overrides, 5, "moe_ep", MOE):
         assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5, (ref, got)
     assert ref[4] < ref[0]  # it trained
