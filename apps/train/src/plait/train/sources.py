@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import os
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,10 +60,14 @@ class DocumentStream:
 
 def stdlib_files() -> list[Path]:
     """This interpreter's standard-library ``*.py`` files, sorted by relative path (no site-packages)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    root = sysconfig.get_paths()["stdlib"]
     skip = {"site-packages", "dist-packages", "__pycache__"}
-    found = [p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts)]
-    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+    found: list[tuple[str, str]] = []
+    for directory, subdirs, names in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in skip]  # pruned, not walked (site-packages is large)
+        prefix = "" if directory == root else Path(directory).relative_to(root).as_posix() + "/"
+        found.extend((prefix + n, os.path.join(directory, n)) for n in names if n.endswith(".py"))
+    return [Path(path) for _, path in sorted(found)]
 
 
 def check_paths(cfg: DataConfig) -> list[Path]:
