@@ -54,7 +54,10 @@ def test_families_dp_shard2_tp2(sp: bool) -> None:
 
 
 def test_families_tp4() -> None:
-    families = [(name, {**overrides, **TP4}) for name, overrides in FAMILIES]
+    """Every family but Llama and Qwen3 at tp 4 (those two: tests/tp/test_parity.py at tp 4)."""
+    families = [
+        (name, {**overrides, **TP4}) for name, overrides in FAMILIES if name not in ("llama", "qwen3")
+    ]
     _check(run_on_ranks(family_parity, 4, families, 4, False, timeout=400), families)
 
 

@@ -102,6 +102,11 @@ HF: list[Case] = [
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_dense_and_hf_llama_qwen3_tp_match_reference(world: int) -> None:
-    """One multi-rank body per world size (workers reused); world 2 adds the HF-translated plan."""
-    cases = DENSE + HF + ([("hf-llama-unregistered", True, {})] if world == 2 else [])
+    """One multi-rank body per world size (workers reused); world 2 adds the HF-translated plan.
+
+    World 4 runs the HF models once each (Llama with SP, Qwen3 without; both ways at world 2, and
+    the other HF families at tp 4 in test_hf_families.py).
+    """
+    hf = [*HF, ("hf-llama-unregistered", True, {})] if world == 2 else [HF[1], HF[2]]
+    cases = DENSE + hf
     _check(run_on_ranks(_parity_cases, world, cases, timeout=400), world)

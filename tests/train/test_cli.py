@@ -79,6 +79,8 @@ def test_default_recipe_trains_on_four_self_launched_ranks(tmp_path: Path):
         proc.stdout,
     )
     assert "val_loss" in proc.stdout
+    # no torch log lines (`W1207 12:00:00.000 ...`): torchao's import printed two in every run
+    assert not re.findall(r"^[WE]\d{4} .*", proc.stdout + proc.stderr, re.M), proc.stderr[-3000:]
     assert (run_dir / "export" / "model.safetensors.index.json").is_file()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000005"]  # the final step
 

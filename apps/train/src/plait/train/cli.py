@@ -138,6 +138,7 @@ def entry() -> int:
     A ``train`` command outside a launcher starts the server its local ranks are forked from
     first, so that the server's imports run while :func:`main` checks the recipe.
     """
+    import plait.train.quiet_logs  # noqa: F401 - before anything imports torchao
     from plait.train.launch import under_launcher
 
     command = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in _COMMANDS else "train"

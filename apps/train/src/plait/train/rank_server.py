@@ -32,6 +32,7 @@ RUN_ID_PREFIX = "plait-train-"
 """The start of the elastic run id of every job of the local launcher (its ranks are forked here)."""
 PRELOADED = (
     "plait.train.server_lifetime",
+    "plait.train.quiet_logs",
     "plait.train.trainer",
     "transformers.modeling_utils",
     "transformers.masking_utils",
