@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 WORLD, TP = 4096, 8
@@ -52,6 +53,7 @@ def measure() -> dict[str, Any]:
     return result
 
 
+@pytest.mark.slow  # a fresh interpreter and a 70B meta model: tools/slow_tests (1024 fake ranks: tests/sharding)
 def test_70b_fsdp_tp_on_4096_fake_ranks_is_fast_and_small() -> None:
     root = Path(__file__).resolve().parents[2]
     code = f"import json; from {__name__} import measure; print(json.dumps(measure()))"

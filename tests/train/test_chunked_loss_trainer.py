@@ -20,9 +20,14 @@ LAYOUTS = {
     "fsdp2 x tp2": (2, ["parallel.tp_size=2"]),
     "ddp": (2, ["parallel.strategy=ddp"]),
 }
+SLOW = {"fsdp2 x tp2"}
+"""tools/slow_tests: the vocabulary-parallel chunked head is compared per parameter in
+tests/sidecar/test_chunked_loss.py; the trainer's wiring runs here on one rank and under DDP."""
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name for name in LAYOUTS]
+)
 def test_chunked_loss_trains_as_the_full_loss(tmp_path: Path, layout: str) -> None:
     ranks, overrides = LAYOUTS[layout]
     full = run_on_ranks(_train_losses, ranks, str(tmp_path / "full"), overrides, 3)

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 VARIANTS = ["eager", "compile", "compile+float8_tensorwise", "compile+float8_rowwise"]
 MEASURED = ["step_time_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "state_bytes", "plan_estimate_bytes"]
@@ -19,9 +21,9 @@ def _positive(value: Any) -> bool:
     return isinstance(value, int | float) and math.isfinite(value) and value > 0
 
 
-def _dry_run() -> dict[str, Any]:
+def _dry_run(*extra: str) -> dict[str, Any]:
     proc = subprocess.run(
-        [str(REPO / "tools/gpu_check/run"), "--dry-run"],
+        [str(REPO / "tools/gpu_check/run"), "--dry-run", *extra],
         cwd=REPO,
         env={**os.environ, "GPU_CHECK_PYTHON": sys.executable},  # the wrapper, on this test's Python
         capture_output=True,
@@ -35,8 +37,14 @@ def _dry_run() -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
-def test_the_dry_run_reports_every_variant_measured_or_skipped_with_a_reason():
-    doc = _dry_run()
+@pytest.mark.parametrize(
+    "extra",
+    # the compile variant builds its layers with inductor (most of the dry run's time): tools/slow_tests
+    [("--no-compile",), pytest.param((), marks=pytest.mark.slow)],
+    ids=["no-compile", "whole"],
+)
+def test_the_dry_run_reports_every_variant_measured_or_skipped_with_a_reason(extra: tuple[str, ...]):
+    doc = _dry_run(*extra)
     assert doc["dry_run"] is True and doc["device"]["type"] == "cpu"
     assert [v["variant"] for v in doc["variants"]] == VARIANTS
     for variant in doc["variants"]:
@@ -51,6 +59,9 @@ def test_the_dry_run_reports_every_variant_measured_or_skipped_with_a_reason():
         # plan counts what the rank holds (parameters, gradients, AdamW state): measured the same.
         assert abs(variant["state_over_plan"] - 1) < 0.01, variant
     assert {v["variant"] for v in doc["variants"] if "skipped" in v} >= set(VARIANTS[2:])  # float8: not built
+    assert ("skipped" in doc["variants"][1]) == bool(extra), doc["variants"][
+        1
+    ]  # measured unless --no-compile
     checks = {c["check"]: c for c in doc["checks"]}
     assert checks["process_group"]["backend"] == "gloo" and checks["process_group"]["all_reduce_ok"]
     assert checks["async_tp"]["skipped"]
