@@ -36,11 +36,28 @@ def _reference_first_loss(example: ModuleType) -> float:
     return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
 
 
+def _run_torchrun(command: list[str], *, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``command`` to its end; past ``timeout``, SIGTERM first, so that torchrun stops its ranks too
+    (a SIGKILLed torchrun leaves them waiting on its store for ever), then the test fails."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                stdout, stderr = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stdout, stderr = proc.communicate()
+            raise AssertionError(f"torchrun ran past {timeout} s\n{stderr[-3000:]}") from None
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
 def test_the_guide_loop_trains_on_every_context_from_the_same_start(tmp_path: Path) -> None:
     out = tmp_path / "losses.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
     command += [str(LOOP), "--context", *CONTEXTS, "--steps", "3", "--save", str(tmp_path / "ckpt")]
-    done = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True, timeout=300)
+    done = _run_torchrun([*command, "--out", str(out)], timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     losses = json.loads(out.read_text())
     reference = _reference_first_loss(_example())
