@@ -58,6 +58,27 @@ def _nested_call() -> list:
     return run_on_ranks(_pid, 1)
 
 
+def _sharding_cache_use(diverge: bool) -> tuple[int, int]:
+    """The fast-path sharding cache's lookups before the call and its hits in it; rank 1 may run one more op."""
+    from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
+    from torch.distributed.tensor.debug import _get_fast_path_sharding_prop_cache_stats as stats
+
+    hits, misses = stats()
+    mesh = init_device_mesh("cpu", (2,))
+    x = distribute_tensor(torch.ones(4, 4), mesh, [Replicate()])
+    (x * 2 + 1).sum()
+    if diverge and dist.get_rank() == 1:
+        x.exp()
+    return hits + misses, stats()[0] - hits
+
+
+def test_the_sharding_cache_is_kept_while_the_ranks_agree_and_emptied_after_they_diverged():
+    run_on_ranks(_sharding_cache_use, 2, False)
+    (size0, hits0), (size1, hits1) = run_on_ranks(_sharding_cache_use, 2, True)
+    assert size0 == size1 > 0 and hits0 == hits1 > 0  # the same ops with an equal mesh: cache hits
+    assert run_on_ranks(_sharding_cache_use, 2, False) == [(0, 0), (0, 0)]  # rank 1 ran one more op
+
+
 def test_returns_each_ranks_value_in_rank_order_with_the_same_seed():
     results = run_on_ranks(_rank_info, 2, 10)
     assert [r[:3] for r in results] == [(10, 2, "gloo"), (11, 2, "gloo")]

@@ -265,7 +265,7 @@ def _build_corpus(
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32)  # half the disk, small vocabs
     created = [d for d in (cache, *cache.parents) if not d.exists()] if cache is not None else []
     for directory in reversed(created):
-        directory.mkdir()
+        directory.mkdir(exist_ok=True)  # another rank may create the run directory meanwhile
     splits = [_Split(cache / f".{n}.{os.getpid()}.npy" if cache else None, dtype) for n in ("train", "val")]
     try:
         num_documents, num_bytes = _tokenize(cfg, tokenizer, stream, splits, _Progress(say, stream, every_s))

@@ -12,6 +12,12 @@ group down while its peers tear down theirs races in gloo's event loop (the work
 SIGSEGV / general protection faults in the `pt_gloo_runloop` thread, torch 2.15). Instead, a pool
 whose workers hold more than `rank_worker.MAX_SUBGROUPS` groups (each holds threads and sockets) is retired
 after the call, all its ranks killed together, and the next call starts fresh workers.
+
+DTensor's sharding cache is kept from one call to the next (a third of a parity case's time is spent
+filling it) while every rank's cache went through the same hits and misses: meshes of the same
+layout compare equal, so a kept entry hands out the earlier call's mesh, which is only safe when every
+rank gets the same one. After a call whose ranks diverged (pipeline stages run different ops), the next
+call starts with the cache empty on every rank.
 """
 
 from __future__ import annotations
@@ -164,6 +170,9 @@ class _Pool:
         self.closed = False
         self.worn_out = False
         """Set when a rank asks for fresh workers (see `_Worker.call`); the pool is then discarded."""
+        self.fresh_cache = True
+        """Whether the next call empties DTensor's sharding cache: unless every rank's went the same way."""
+        self.cache_stats: dict[int, Any] = {}
         self.store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=PG_TIMEOUT)
         self.tmpdir = tempfile.mkdtemp(prefix=f"plait-ranks{world_size}-")
         self.stack_files = [os.path.join(self.tmpdir, f"rank{r}.stack") for r in range(world_size)]
@@ -206,8 +215,9 @@ class _Pool:
     def run(self, payload: bytes, timeout: float, label: str) -> list[Any]:
         try:
             for conn in self.conns:
-                conn.send(("run", list(sys.path), payload))
+                conn.send(("run", list(sys.path), payload, self.fresh_cache))
             replies, errors, hung = self._collect(time.monotonic() + timeout)
+            self.fresh_cache = len(set(self.cache_stats.values())) != 1
         except BaseException:
             _discard(self)
             raise
@@ -230,6 +240,7 @@ class _Pool:
         pending = {conn: rank for rank, conn in enumerate(self.conns)}
         replies: dict[int, bytes] = {}
         errors: dict[int, str] = {}
+        self.cache_stats = {}
         first_error = 0.0
         while pending:
             limit = deadline if not errors else min(deadline, first_error + _ERROR_GRACE_S)
@@ -239,7 +250,7 @@ class _Pool:
             for conn in ready:
                 rank = pending.pop(conn)  # type: ignore[index]
                 try:
-                    status, data, worn_out = conn.recv()  # type: ignore[union-attr]
+                    status, data, worn_out, self.cache_stats[rank] = conn.recv()  # type: ignore[union-attr]
                 except (EOFError, OSError):
                     self.procs[rank].join(timeout=1.0)
                     status, data = "err", f"worker process died (exit code {self.procs[rank].exitcode})"

@@ -19,7 +19,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+from torch.distributed.tensor.debug import (
+    _clear_sharding_prop_cache,
+    _get_fast_path_sharding_prop_cache_stats,
+    _get_python_sharding_prop_cache_info,
+)
 
 __all__ = ["HOST", "IN_WORKER_ENV", "MAX_SUBGROUPS", "PG_TIMEOUT", "worker_main"]
 
@@ -50,9 +54,9 @@ def worker_main(
     try:
         worker = _Worker(rank, world_size, port)
     except BaseException:
-        conn.send(("err", traceback.format_exc(), True))
+        conn.send(("err", traceback.format_exc(), True, None))
         os._exit(1)
-    conn.send(("ok", b"", False))
+    conn.send(("ok", b"", False, None))
     while True:
         try:
             message = conn.recv()
@@ -60,8 +64,8 @@ def worker_main(
             break
         if message[0] == "stop":
             break
-        _, paths, payload = message
-        conn.send(worker.call(paths, payload))
+        _, paths, payload, fresh_cache = message
+        conn.send(worker.call(paths, payload, fresh_cache))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown: the gloo group needs no goodbye
@@ -87,13 +91,18 @@ class _Worker:
         )
         self.group = dist.group.WORLD
 
-    def call(self, paths: list[str], payload: bytes) -> tuple[str, Any, bool]:
-        """Run one payload; the flag asks the test process to retire this pool after the call."""
+    def call(self, paths: list[str], payload: bytes, fresh_cache: bool) -> tuple[str, Any, bool, Any]:
+        """Run one payload; returns (status, data, whether to retire the pool, the sharding cache's stats).
+
+        ``fresh_cache`` empties DTensor's sharding cache first. The test process asks for it unless
+        every rank's cache went through the same hits and misses so far: a kept entry carries the mesh
+        object of the call that made it, and two ranks may only pair collectives on the same groups.
+        """
         _merge_sys_path(paths)
         try:
             fn, args = pickle.loads(payload)
-            # Each call sees DTensor's sharding cache empty, as a fresh process would.
-            _clear_sharding_prop_cache()
+            if fresh_cache:
+                _clear_sharding_prop_cache()
             torch.manual_seed(0)
             random.seed(0)
             np.random.seed(0)
@@ -101,14 +110,20 @@ class _Worker:
             torch.set_grad_enabled(True)
             result = fn(*args)
         except BaseException:
-            return "err", traceback.format_exc(), True
+            return "err", traceback.format_exc(), True, None
         try:
-            return "ok", pickle.dumps(result), self._worn_out()
+            return "ok", pickle.dumps(result), self._worn_out(), _cache_stats()
         except Exception:
-            return "err", f"the return value cannot be pickled:\n{traceback.format_exc()}", True
+            return "err", f"the return value cannot be pickled:\n{traceback.format_exc()}", True, None
 
     def _worn_out(self) -> bool:
         """Whether the call destroyed the default group or the live groups passed the limit."""
         if not (dist.is_initialized() and dist.group.WORLD is self.group):
             return True
         return len(dist.distributed_c10d._world.pg_map) - 1 > MAX_SUBGROUPS
+
+
+def _cache_stats() -> tuple[int, ...]:
+    """DTensor's sharding caches' counters (Python: hits, misses, size; fast path: hits, misses)."""
+    info = _get_python_sharding_prop_cache_info()
+    return (info.hits, info.misses, info.currsize, *_get_fast_path_sharding_prop_cache_stats())
