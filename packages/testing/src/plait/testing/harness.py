@@ -172,7 +172,6 @@ class _Pool:
         """Set when a rank asks for fresh workers (see `_Worker.call`); the pool is then discarded."""
         self.fresh_cache = True
         """Whether the next call empties DTensor's sharding cache: unless every rank's went the same way."""
-        self.cache_stats: dict[int, Any] = {}
         self.store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=PG_TIMEOUT)
         self.tmpdir = tempfile.mkdtemp(prefix=f"plait-ranks{world_size}-")
         self.stack_files = [os.path.join(self.tmpdir, f"rank{r}.stack") for r in range(world_size)]
@@ -180,7 +179,7 @@ class _Pool:
         self.conns: list[Connection] = []
         try:
             self._start_workers()
-            _, errors, hung = self._collect(time.monotonic() + _STARTUP_TIMEOUT_S)
+            _, errors, hung, _ = self._collect(time.monotonic() + _STARTUP_TIMEOUT_S)
         except BaseException:
             self.close(kill=True)
             raise
@@ -216,8 +215,8 @@ class _Pool:
         try:
             for conn in self.conns:
                 conn.send(("run", list(sys.path), payload, self.fresh_cache))
-            replies, errors, hung = self._collect(time.monotonic() + timeout)
-            self.fresh_cache = len(set(self.cache_stats.values())) != 1
+            replies, errors, hung, cache_stats = self._collect(time.monotonic() + timeout)
+            self.fresh_cache = len(cache_stats) != self.world_size or len(set(cache_stats)) != 1
         except BaseException:
             _discard(self)
             raise
@@ -235,12 +234,15 @@ class _Pool:
             _discard(self)
         return results
 
-    def _collect(self, deadline: float) -> tuple[dict[int, bytes], dict[int, str], list[int]]:
-        """Wait for one reply per rank; after the first failure the others get a short grace period."""
+    def _collect(self, deadline: float) -> tuple[dict[int, bytes], dict[int, str], list[int], list[Any]]:
+        """Wait for one reply per rank; after the first failure the others get a short grace period.
+
+        Returns the replies, errors and hung ranks, and the sharding-cache stats of the ranks that replied.
+        """
         pending = {conn: rank for rank, conn in enumerate(self.conns)}
         replies: dict[int, bytes] = {}
         errors: dict[int, str] = {}
-        self.cache_stats = {}
+        cache_stats: list[Any] = []
         first_error = 0.0
         while pending:
             limit = deadline if not errors else min(deadline, first_error + _ERROR_GRACE_S)
@@ -250,7 +252,8 @@ class _Pool:
             for conn in ready:
                 rank = pending.pop(conn)  # type: ignore[index]
                 try:
-                    status, data, worn_out, self.cache_stats[rank] = conn.recv()  # type: ignore[union-attr]
+                    status, data, worn_out, stats = conn.recv()  # type: ignore[union-attr]
+                    cache_stats.append(stats)
                 except (EOFError, OSError):
                     self.procs[rank].join(timeout=1.0)
                     status, data = "err", f"worker process died (exit code {self.procs[rank].exitcode})"
@@ -262,7 +265,7 @@ class _Pool:
                 if not errors:
                     first_error = time.monotonic()
                 errors[rank] = data
-        return replies, errors, sorted(pending.values())
+        return replies, errors, sorted(pending.values()), cache_stats
 
     def _fail(self, label: str, errors: dict[int, str], hung: list[int], timeout: float) -> None:
         reports = dict(errors)
