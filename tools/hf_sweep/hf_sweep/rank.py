@@ -112,9 +112,9 @@ def parallel_copy(ref: nn.Module, tp: int, sp: bool, cp: int) -> tuple[nn.Module
     from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
     from plait.sidecar import parallelize_model
 
-    ctx = MeshContext.build(
-        FSDP2Config(mp_policy=None, sequence_parallel=sp), ParallelismSizes(tp_size=tp, cp_size=cp)
-    )
+    mixers = "gather" if cp > 1 else "refuse"
+    config = FSDP2Config(mp_policy=None, sequence_parallel=sp, cp_sequence_mixers=mixers)
+    ctx = MeshContext.build(config, ParallelismSizes(tp_size=tp, cp_size=cp))
     return parallelize_model(copy.deepcopy(ref), ctx), ctx
 
 

@@ -6,6 +6,7 @@ from plait.cp.apply import (
     check_context_parallel_model,
     check_cp_inputs,
     cp_attention_choice,
+    cp_gathered_modules,
 )
 from plait.cp.attention import ContextParallelAttention
 from plait.cp.choice import CPAttentionChoice, choose_cp_attention, heads_of
@@ -15,6 +16,7 @@ from plait.cp.layout import (
     cp_mesh,
     document_ids,
     global_positions,
+    rank_order,
     shard_sequence,
     unshard_sequence,
 )
@@ -29,11 +31,13 @@ __all__ = [
     "choose_cp_attention",
     "chunk_ids",
     "cp_attention_choice",
+    "cp_gathered_modules",
     "cp_mesh",
     "document_ids",
     "global_positions",
     "heads_of",
     "kv_repeats",
+    "rank_order",
     "shard_sequence",
     "unshard_sequence",
 ]

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from plait.cp.blocks import FULL, Features, masked_scores
-from plait.cp.layout import global_positions
+from plait.cp.layout import rank_order
 
 
 def all_to_all_refusal(heads: int, cp_size: int) -> str | None:
@@ -67,18 +67,12 @@ def _exchange(blocks: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out
 
 
-def _rank_order(local_seq: int, cp_size: int, device: torch.device) -> torch.Tensor:
-    """Global position of each token of the rank-by-rank concatenation of every rank's tokens."""
-    seq = local_seq * cp_size
-    return torch.cat([global_positions(seq, rank, cp_size, device) for rank in range(cp_size)])
-
-
 def _to_heads(
     tensors: list[torch.Tensor], group: dist.ProcessGroup, order: torch.Tensor
 ) -> list[torch.Tensor]:
     """``[B, H, L/cp, D]`` tensors (this rank's tokens, every head) -> ``[B, H/cp, L, D]`` (every token, in order).
 
-    One all-to-all carries all of them; ``order`` is `_rank_order`.
+    One all-to-all carries all of them; ``order`` is `plait.cp.layout.rank_order`.
     """
     cp_size = dist.get_world_size(group)
     blocks = [t.unflatten(1, (cp_size, -1)).movedim(1, 0) for t in tensors]  # [cp, B, H/cp, L/cp, D]
@@ -96,7 +90,7 @@ def _to_sequence(out: torch.Tensor, group: dist.ProcessGroup, order: torch.Tenso
     return received.movedim(0, 1).flatten(1, 2)
 
 
-def _whole_sequence_attention(
+def whole_sequence_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -148,8 +142,8 @@ def all_to_all_attention(
         raise ValueError(why)
     repeat = kv_repeats(kv_heads, cp_size)
     k, v = (t.squeeze(2).repeat_interleave(repeat, dim=1) for t in (k, v))
-    order = _rank_order(q.shape[-2], cp_size, q.device)
+    order = rank_order(q.shape[-2], cp_size, q.device)
     qh, kh, vh = _to_heads([q.flatten(1, 2), k, v], group, order)
     local_sinks = None if sinks is None else sinks.flatten().chunk(cp_size)[dist.get_rank(group)]
-    out = _whole_sequence_attention(qh, kh, vh, features, scale, local_sinks, documents)
+    out = whole_sequence_attention(qh, kh, vh, features, scale, local_sinks, documents)
     return _to_sequence(out, group, order).unflatten(1, (kv_heads, per_kv))

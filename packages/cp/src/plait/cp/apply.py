@@ -14,6 +14,7 @@ collective, identically on every rank.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,13 +23,28 @@ from torch import nn
 from plait.cp.all_to_all import all_to_all_refusal
 from plait.cp.attention import ContextParallelAttention
 from plait.cp.choice import CPAttentionChoice, choose_cp_attention, heads_of
-from plait.cp.hf import attach_hf, hf_module_refusal, hf_refusal, is_hf_model, sequence_mixer_refusal
+from plait.cp.gather import GatheredSequence, WholeSequenceAttention, gather_target
+from plait.cp.hf import (
+    CP_ATTRIBUTE,
+    attach_hf,
+    hf_module_refusal,
+    hf_refusal,
+    is_hf_model,
+    own_forward_refusal,
+    sequence_mixer_refusal,
+)
 from plait.cp.layout import DOCUMENTS_KEY, cp_mesh, global_positions
 
 if TYPE_CHECKING:
     from plait.mesh import MeshContext
 
-__all__ = ["apply_context_parallel", "check_context_parallel_model"]
+__all__ = [
+    "apply_context_parallel",
+    "check_context_parallel_model",
+    "check_cp_inputs",
+    "cp_attention_choice",
+    "cp_gathered_modules",
+]
 
 _FORWARD_ONLY_KWARGS = ("labels", "use_cache", "past_key_values", "cache")
 _MEDIA_TOWERS = ("visual", "vision_tower", "vision_model", "audio_tower")
@@ -41,20 +57,26 @@ def check_context_parallel_model(
     """Refuse (ValueError) a model with an attention the cp step cannot swap; changes nothing.
 
     The combinations cp does not build with (strategies, other axes, multimodal models) are refused
-    by the combination table in plait.mesh; this checks the model's own attention modules and, given
-    ``mesh_context``, that ``variant`` (default: the config's ``cp_attention``) can split their heads.
+    by the combination table in plait.mesh; this checks the model's own attention modules and sequence
+    mixers (gathered only when ``mesh_context``'s config says ``cp_sequence_mixers='gather'``) and,
+    given ``mesh_context``, that ``variant`` (default: the config's ``cp_attention``) can split their heads.
     """
-    fn_modules, hf_models = _find_attention(model)
+    found = _find_attention(model, gather=_gathers(mesh_context))
     if mesh_context is not None and mesh_context.cp_size > 1:
-        modules = fn_modules + [m for _, mods in hf_models for m in mods]
-        chosen = variant or choose_cp_attention(modules, mesh_context).variant
-        _check_heads(model, modules, mesh_context, chosen)
+        chosen = variant or choose_cp_attention(found.attention(), mesh_context).variant
+        _check_heads(model, found.attention(), mesh_context, chosen)
 
 
 def cp_attention_choice(model: nn.Module, mesh_context: MeshContext) -> CPAttentionChoice:
     """The variant the cp step gives ``model``'s attention under ``mesh_context``, and why (``auto`` resolved)."""
-    fn_modules, hf_models = _find_attention(model)
-    return choose_cp_attention(fn_modules + [m for _, mods in hf_models for m in mods], mesh_context)
+    return choose_cp_attention(
+        _find_attention(model, gather=_gathers(mesh_context)).attention(), mesh_context
+    )
+
+
+def cp_gathered_modules(model: nn.Module, mesh_context: MeshContext) -> tuple[str, ...]:
+    """The modules the cp step runs on the whole sequence (``cp_sequence_mixers='gather'``; see `plait.cp.gather`)."""
+    return tuple(_find_attention(model, gather=_gathers(mesh_context)).gathered)
 
 
 def apply_context_parallel(
@@ -63,7 +85,8 @@ def apply_context_parallel(
     """Make every attention of ``model`` attend over the cp-sharded sequence (no-op when cp is 1).
 
     ``variant`` is the plan's CP attention (default: the config's ``cp_attention``, ``auto`` resolved
-    by `plait.cp.choose_cp_attention`). Inputs must then
+    by `plait.cp.choose_cp_attention`). Sequence mixers cp cannot split run gathered when the config
+    says ``cp_sequence_mixers='gather'`` (`plait.cp.gather`). Inputs must then
     be split with `plait.cp.shard_sequence` and the forward given its
     ``position_ids``; a forward without them, with a padding ``attention_mask``, ``labels`` (the
     model would shift them across chunk boundaries) or a KV cache is refused before it runs.
@@ -76,16 +99,22 @@ def apply_context_parallel(
     mesh = cp_mesh(mesh_context)
     if mesh is None:
         return model
-    fn_modules, hf_models = _find_attention(model)
-    modules = fn_modules + [m for _, mods in hf_models for m in mods]
-    variant = variant or choose_cp_attention(modules, mesh_context).variant
+    found = _find_attention(model, gather=_gathers(mesh_context))
+    variant = variant or choose_cp_attention(found.attention(), mesh_context).variant
     attention = ContextParallelAttention(mesh, variant)
-    _check_heads(model, modules, mesh_context, variant)
-    for module in fn_modules:
+    _check_heads(model, found.attention(), mesh_context, variant)
+    for module in found.fn_modules:
         module.attention_fn = attention
-    for hf_model, modules in hf_models:
+    for hf_model, modules in found.hf_models:
         attach_hf(hf_model, modules, attention)
-    guard = _InputGuard(mesh.size(), mesh.get_local_rank(), documents=not fn_modules)
+    for name, module in found.gathered.items():
+        for inner in module.modules():
+            if hasattr(inner, CP_ATTRIBUTE):
+                setattr(inner, CP_ATTRIBUTE, WholeSequenceAttention())
+        GatheredSequence(mesh, name).attach(module)
+    guard = _InputGuard(
+        mesh.size(), mesh.get_local_rank(), documents=not found.fn_modules, gathered=bool(found.gathered)
+    )
     model.register_forward_pre_hook(guard, with_kwargs=True)
     return model
 
@@ -102,12 +131,33 @@ def check_cp_inputs(model: nn.Module, kwargs: dict[str, Any]) -> None:
             hook(model, (), kwargs)
 
 
-def _find_attention(model: nn.Module) -> tuple[list[nn.Module], list[tuple[nn.Module, list[nn.Module]]]]:
-    """``attention_fn`` modules and ``(hf_model, its attention modules)``; raises for anything else."""
-    fn_modules: list[nn.Module] = []
-    hf_models: list[tuple[nn.Module, list[nn.Module]]] = []
-    problems: list[str] = []
-    claimed: set[int] = set()
+@dataclass
+class _Found:
+    """What the cp step swaps: ``attention_fn`` modules, HF models with their attention modules, and
+    the sequence mixers it runs gathered (full name -> module; attention inside them runs whole)."""
+
+    fn_modules: list[nn.Module] = field(default_factory=list)
+    hf_models: list[tuple[nn.Module, list[nn.Module]]] = field(default_factory=list)
+    gathered: dict[str, nn.Module] = field(default_factory=dict)
+
+    def attention(self) -> list[nn.Module]:
+        """Every attention module cp attention splits (not those inside a gathered module)."""
+        inside = {id(m) for g in self.gathered.values() for m in g.modules()}
+        return [
+            m
+            for m in self.fn_modules + [m for _, mods in self.hf_models for m in mods]
+            if id(m) not in inside
+        ]
+
+
+def _gathers(mesh_context: MeshContext | None) -> bool:
+    config = None if mesh_context is None else mesh_context.strategy_config
+    return getattr(config, "cp_sequence_mixers", "refuse") == "gather"
+
+
+def _find_attention(model: nn.Module, *, gather: bool) -> _Found:
+    """Every attention and sequence mixer of ``model``; raises (ValueError) for what cp cannot handle."""
+    found, problems, claimed = _Found(), [], set()
     for name, module in model.named_modules():
         if id(module) in claimed:
             continue
@@ -117,33 +167,58 @@ def _find_attention(model: nn.Module) -> tuple[list[nn.Module], list[tuple[nn.Mo
             )
             claimed.update(id(m) for m in module.modules())
         elif is_hf_model(module):
-            why = hf_refusal(module)
-            if why is not None:
+            claimed.update(id(m) for m in module.modules())
+            if (why := hf_refusal(module)) is not None:
                 problems.append(f"{name or '<root>'}: {why}")
-            modules = []
-            for sub_name, sub in module.named_modules():
-                claimed.add(id(sub))
-                if _looks_like_attention(sub):
-                    modules.append(sub)
-                    if sub_why := hf_module_refusal(sub):
-                        problems.append(f"{_join(name, sub_name)}: {sub_why}")
-                elif mixer_why := sequence_mixer_refusal(sub):
-                    problems.append(f"{_join(name, sub_name)}: {mixer_why}")
-            hf_models.append((module, modules))
+            found.hf_models.append((module, _hf_parts(name, module, gather, found, problems)))
         elif callable(getattr(module, "attention_fn", None)):
-            fn_modules.append(module)
+            found.fn_modules.append(module)
         elif _looks_like_attention(module):
             problems.append(
                 f"{name or '<root>'} ({type(module).__name__}): computes attention itself; give it an "
                 "attention_fn attribute with SDPA semantics, or use a transformers model"
             )
-    if not problems and not fn_modules and not any(mods for _, mods in hf_models):
+    if not problems and not found.attention() and not found.gathered:
         problems.append(f"<root> ({type(model).__name__}): no attention found to split over cp")
     if problems:
         raise ValueError(
             "context parallel (cp_size > 1) cannot handle this model's attention:\n  " + "\n  ".join(problems)
         )
-    return fn_modules, hf_models
+    return found
+
+
+def _hf_parts(
+    prefix: str, hf_model: nn.Module, gather: bool, found: _Found, problems: list[str]
+) -> list[nn.Module]:
+    """The HF model's attention modules; its sequence mixers go to ``found.gathered`` (or ``problems``)."""
+    attention, mixers = [], []
+    for sub_name, sub in hf_model.named_modules():
+        if _looks_like_attention(sub) and (why := hf_module_refusal(sub)):
+            problems.append(f"{_join(prefix, sub_name)}: {why}")
+        elif _looks_like_attention(sub) and (why := own_forward_refusal(sub)):
+            mixers.append((sub_name, why))
+        elif _looks_like_attention(sub):
+            attention.append(sub)
+        elif why := sequence_mixer_refusal(sub):
+            mixers.append((sub_name, why))
+    targets = {}
+    for sub_name, why in mixers:
+        target = gather_target(hf_model, sub_name)
+        if gather and target is not None:
+            targets[target] = hf_model.get_submodule(target)
+        else:
+            hint = _GATHER_HINT if target is not None else ""
+            problems.append(f"{_join(prefix, sub_name)}: {why}{hint}")
+    for target, module in targets.items():  # the outermost of nested targets
+        if not any(target.startswith(other + ".") for other in targets):
+            found.gathered[_join(prefix, target)] = module
+    return attention
+
+
+_GATHER_HINT = (
+    " (FSDP2Config.cp_sequence_mixers='gather' runs it on the whole sequence on every cp rank: exact, "
+    "no memory saved in it)"
+)
 
 
 def _check_heads(model: nn.Module, modules: list[nn.Module], mesh_context: MeshContext, variant: str) -> None:
@@ -180,9 +255,10 @@ def _join(prefix: str, name: str) -> str:
 class _InputGuard:
     """Forward pre-hook: the inputs must be this rank's load-balanced part, with its global positions."""
 
-    def __init__(self, cp_size: int, cp_rank: int, *, documents: bool) -> None:
+    def __init__(self, cp_size: int, cp_rank: int, *, documents: bool, gathered: bool) -> None:
         self.cp_size, self.cp_rank = cp_size, cp_rank
         self.documents = documents  # whether the attention receives the forward's document ids
+        self.gathered = gathered  # gathered sequence mixers, which do not
         self._checked: Any = None
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -213,6 +289,11 @@ class _InputGuard:
     def _check_documents(self, module: nn.Module, positions: torch.Tensor, documents: torch.Tensor) -> None:
         """Packed documents: ids of the whole sequence that agree with this rank's positions."""
         name = type(module).__name__
+        if self.gathered:
+            raise ValueError(
+                f"{name} under cp_size={self.cp_size}: packed documents ({DOCUMENTS_KEY}=) do not reach the "
+                "sequence mixers cp runs gathered (cp_sequence_mixers='gather'); they would mix across documents"
+            )
         if not self.documents:
             raise ValueError(
                 f"{name} under cp_size={self.cp_size}: packed documents ({DOCUMENTS_KEY}=) reach only a "

@@ -35,7 +35,8 @@ def hf_refusal(model: nn.Module) -> str | None:
     """Why the HF model ``model`` cannot run context-parallel attention, or None when it can."""
     config = model.config
     name = type(model).__name__
-    if not getattr(type(model), "_supports_attention_backend", False):
+    can_set = getattr(type(model), "_can_set_attn_implementation", None)
+    if can_set is None or not can_set():
         return f"{name} does not dispatch attention through transformers' AttentionInterface"
     if any(getattr(config, key, None) is not None for key in ("vision_config", "audio_config")):
         return f"{name} is multimodal: media tokens spliced into the sequence are not context-parallel yet"
@@ -91,12 +92,13 @@ def hf_module_refusal(module: nn.Module) -> str | None:
                 f"{type(module).__name__} has {_FEATURE_KWARGS[keyword]} but its forward does not pass "
                 f"{keyword}= to the attention function; cp attention cannot see it"
             )
-    return _dispatch_refusal(type(module))
+    return None
 
 
-def _dispatch_refusal(cls: type) -> str | None:
-    """Why an HF ``*Attention`` class never reaches transformers' attention functions (linear or
+def own_forward_refusal(module: nn.Module) -> str | None:
+    """Why an HF ``*Attention`` module never reaches transformers' attention functions (linear or
     lightning attention computed in its own forward), or None (also when no source can be read)."""
+    cls = type(module)
     sources = [_forward_source(c) for c in cls.__mro__ if "forward" in vars(c) and c is not nn.Module]
     if not any(sources) or any(marker in src for src in sources for marker in _DISPATCH_MARKERS):
         return None

@@ -22,6 +22,7 @@ __all__ = [
     "cp_mesh",
     "document_ids",
     "global_positions",
+    "rank_order",
     "shard_sequence",
     "unshard_sequence",
 ]
@@ -64,6 +65,12 @@ def global_positions(
             torch.arange(tail * chunk, (tail + 1) * chunk, device=device),
         ]
     )
+
+
+def rank_order(local_seq: int, cp_size: int, device: torch.device | None = None) -> torch.Tensor:
+    """Global position of each token of every rank's tokens concatenated rank by rank (an all-gather's order)."""
+    seq = local_seq * cp_size
+    return torch.cat([global_positions(seq, rank, cp_size, device) for rank in range(cp_size)])
 
 
 def cp_mesh(mesh_context: MeshContext) -> DeviceMesh | None:

@@ -28,6 +28,7 @@ from plait.cp.blocks import (
     sinks_grad,
     split_chunks,
 )
+from plait.cp.gather import gather_ranks
 from plait.cp.layout import chunk_ids
 
 Pairs = list[tuple[int, int, Mode, Documents]]
@@ -120,24 +121,6 @@ def _saved_chunks(
         list(lse.chunk(2, dim=-1)),
         list(delta.chunk(2, dim=-1)),
     )
-
-
-class _GatherKV(torch.autograd.Function):
-    """All-gather ``[2, ...]`` (K and V stacked) over the group to ``[cp, 2, ...]``; backward reduce-scatters."""
-
-    @staticmethod
-    def forward(ctx: Any, kv: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        size = dist.get_world_size(group)
-        out = kv.new_empty((size, *kv.shape))
-        dist.all_gather_into_tensor(out, kv.contiguous().unsqueeze(0), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        out = grad.new_empty((1, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
-        return out.squeeze(0), None
 
 
 class _GatheredAttention(torch.autograd.Function):
@@ -265,7 +248,7 @@ def all_gather_attention(
     ``q``: ``[B, Hkv, G, L, D]``, ``k``/``v``: ``[B, Hkv, 1, L, D]``, ``sinks``: ``[Hkv, G]`` or None,
     ``documents``: the whole sequence's document ids ``[B, L * cp]`` or None (one document).
     """
-    kv_all = _GatherKV.apply(torch.stack([k, v]), group)
+    kv_all = gather_ranks(torch.stack([k, v]), group)  # [cp, 2, ...]; backward reduce-scatters
     return _GatheredAttention.apply(q, kv_all, sinks, dist.get_rank(group), features, scale, documents)
 
 

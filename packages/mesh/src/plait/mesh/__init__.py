@@ -14,6 +14,7 @@ from plait.mesh.combinations import (
 )
 from plait.mesh.configs import (
     CP_ATTENTION_VARIANTS,
+    CP_SEQUENCE_MIXERS,
     FLOAT8_SCALINGS,
     DDPConfig,
     Float8Config,
@@ -55,6 +56,7 @@ __all__ = [
     "refusal_of",
     "table_pairs",
     "CP_ATTENTION_VARIANTS",
+    "CP_SEQUENCE_MIXERS",
     "ActivationCheckpointing",
     "DDPConfig",
     "DistributedInfo",

@@ -20,6 +20,7 @@ from plait.mesh.parsing import (
 
 __all__ = [
     "CP_ATTENTION_VARIANTS",
+    "CP_SEQUENCE_MIXERS",
     "DDPConfig",
     "FLOAT8_SCALINGS",
     "FSDP2Config",
@@ -31,6 +32,8 @@ __all__ = [
 
 CP_ATTENTION_VARIANTS = ("all_gather", "ring", "all_to_all")
 """The context-parallel attention algorithms; ``FSDP2Config.cp_attention`` also takes ``"auto"``."""
+CP_SEQUENCE_MIXERS = ("refuse", "gather")
+"""Values of ``FSDP2Config.cp_sequence_mixers``."""
 FLOAT8_SCALINGS = ("tensorwise", "rowwise")
 """Values of ``Float8Config.scaling`` (torchao's recipes of the same names)."""
 
@@ -186,6 +189,9 @@ class FSDP2Config(_Config):
     """Fully frozen towers/projectors: ``root`` (in the root unit), ``per_layer`` or ``replicate``."""
     cp_attention: str = "all_gather"
     """Context-parallel attention (cp > 1): ``all_gather`` (gather K/V), ``ring`` (pass K/V round), ``all_to_all`` (split heads) or ``auto`` (see docs/cp.md)."""
+    cp_sequence_mixers: str = "refuse"
+    """Sequence mixers cp cannot split (convolutions over time, Mamba, linear attention): ``refuse`` names
+    them; ``gather`` runs each on the whole sequence on every cp rank (exact; no memory saved in it)."""
     float8: Float8Config | None = None
     """Float8 training of the eligible linears (needs torchao: ``plait-float8[torchao]``); YAML: a dict, true or null."""
 
@@ -215,6 +221,11 @@ class FSDP2Config(_Config):
             raise ValueError(
                 f"FSDP2Config.reshard_after_forward={value}: an int is the group size parameters stay "
                 "sharded over after forward and must be >= 2; use False to keep them gathered"
+            )
+        if self.cp_sequence_mixers not in CP_SEQUENCE_MIXERS:
+            raise ValueError(
+                f"FSDP2Config.cp_sequence_mixers must be one of {list(CP_SEQUENCE_MIXERS)}, got "
+                f"{self.cp_sequence_mixers!r}"
             )
         if self.cp_attention not in (*CP_ATTENTION_VARIANTS, "auto"):
             raise ValueError(

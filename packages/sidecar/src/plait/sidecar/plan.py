@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from plait.cp import check_context_parallel_model, cp_attention_choice
+from plait.cp import check_context_parallel_model, cp_attention_choice, cp_gathered_modules
 from plait.float8 import Float8Plan, float8_tp_plan, plan_float8
 from plait.mesh import FSDP2Config, MeshContext, check_combination, context_request, strategy_name
 from plait.sharding import (
@@ -74,6 +74,8 @@ class ParallelPlan:
     async_tp: bool = False
     cp_attention: str | None = None
     """The context-parallel variant, None without CP."""
+    cp_gathered: tuple[str, ...] = ()
+    """Sequence mixers cp runs on the whole sequence (``cp_sequence_mixers='gather'``)."""
     moe_blocks: tuple[MoEBlockInfo, ...] = ()
     """The MoE blocks expert parallel shards (empty without EP)."""
     ac_mode: str | None = None
@@ -125,6 +127,7 @@ class ParallelPlan:
             "sequence_parallel": self.sequence_parallel,
             "async_tp": self.async_tp,
             "cp_attention": self.cp_attention,
+            "cp_gathered": list(self.cp_gathered),
             "moe_blocks": [b.fqn for b in self.moe_blocks],
             "activation_checkpointing": self.ac_mode,
             "ac_scope": list(self.ac_scope),
@@ -289,8 +292,11 @@ def _float8_decisions(model: nn.Module, mesh_context: MeshContext, plan: Paralle
 def _cp_decisions(model: nn.Module, mesh_context: MeshContext) -> dict[str, Any]:
     if mesh_context.cp_size == 1:
         return {}
-    check_context_parallel_model(model)
-    return {"cp_attention": cp_attention_choice(model, mesh_context).variant}  # "auto" resolved
+    check_context_parallel_model(model, mesh_context)
+    return {
+        "cp_attention": cp_attention_choice(model, mesh_context).variant,  # "auto" resolved
+        "cp_gathered": cp_gathered_modules(model, mesh_context),
+    }
 
 
 def _ac_decisions(
