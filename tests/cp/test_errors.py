@@ -36,8 +36,9 @@ class _Custom(nn.Module):
         self.xattn = CrossAttention()
 
 
-def _ctx(**sizes: int) -> MeshContext:
-    return MeshContext.build(FSDP2Config(mp_policy=None), ParallelismSizes(cp_size=2, **sizes))
+def _ctx(mixers: str = "refuse", **sizes: int) -> MeshContext:
+    config = FSDP2Config(mp_policy=None, cp_sequence_mixers=mixers)
+    return MeshContext.build(config, ParallelismSizes(cp_size=2, **sizes))
 
 
 def test_unknown_attention_is_refused_by_name(fake_pg) -> None:
@@ -147,7 +148,10 @@ def test_multimodal_models_are_refused(fake_pg) -> None:
     [
         ("llama4_text", r"has chunked attention layers \(config\.attention_chunk_size=8\)"),
         ("deepseek_v32", r"self_attn: DeepseekV32Attention has indexer \(DeepseekV32Indexer\): sparse"),
-        ("lfm2_moe", r"layers\.0\.conv\.conv: a convolution over the sequence \(Conv1d, kernel 3\)"),
+        (
+            "lfm2_moe",
+            r"layers\.0\.conv\.conv: a convolution over the sequence \(Conv1d, kernel 3\).*cp_sequence_mixers='gather'",
+        ),
         ("minimax", r"self_attn: MiniMaxLightningAttention computes attention in its own forward"),
     ],
 )
@@ -165,3 +169,55 @@ def test_attention_cp_cannot_see_is_refused_by_name(fake_pg, model_type: str, ma
         with pytest.raises(ValueError, match=match):
             apply_context_parallel(model, _ctx())
         assert model.config._attn_implementation == "eager"  # nothing changed
+
+
+def _sweep_model(model_type: str) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from plait.testing import sweep_hf_config
+
+    return AutoModelForCausalLM.from_config(sweep_hf_config(model_type, 2, cp=2))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "gathered"),
+    [
+        ("lfm2_moe", ("model.layers.0.conv",)),  # the short convolution's block, not the Conv1d alone
+        ("minimax", ("model.layers.1.self_attn",)),  # lightning attention computed in its own forward
+        ("qwen3_next", ("model.layers.0.linear_attn", "model.layers.1.linear_attn")),
+        ("llama", ()),
+    ],
+)
+def test_gather_picks_the_layer_child_holding_each_sequence_mixer(
+    fake_pg, model_type: str, gathered: tuple
+) -> None:
+    from plait.cp import cp_gathered_modules
+
+    with fake_pg(2):
+        model = _sweep_model(model_type)
+        assert cp_gathered_modules(model, _ctx("gather")) == gathered
+        apply_context_parallel(model, _ctx("gather"))
+        for name in gathered:  # its hooks are attached; attention elsewhere is switched to cp
+            module = model.get_submodule(name)
+            assert module._forward_pre_hooks and module._forward_hooks, name
+        assert model.config._attn_implementation == "plait_cp"
+
+
+def test_attention_functions_used_over_blocks_are_refused_by_name(fake_pg) -> None:
+    """Inkling 2 attends over its layers' outputs through transformers' attention functions (is_causal=False)."""
+    with (
+        fake_pg(2),
+        pytest.raises(
+            ValueError, match=r"mlp_input: Inkling2BlockAttentionResidual calls transformers' attention"
+        ),
+    ):
+        check_context_parallel_model(_sweep_model("inkling2_text"), _ctx("gather"))
+
+
+def test_a_tensor_the_attention_function_would_drop_is_refused(fake_pg) -> None:
+    """Inkling hands its attention function an additive position_bias= that cp attention does not apply."""
+    with fake_pg(2, rank=1):
+        model = apply_context_parallel(_sweep_model("inkling_text"), _ctx("gather"))
+        ids = torch.zeros(1, 8, dtype=torch.long)
+        with pytest.raises(ValueError, match=r"\['position_bias'\] \(tensors cp attention does not apply"):
+            model(input_ids=ids, position_ids=global_positions(16, 1, 2)[None])

@@ -2,7 +2,8 @@
 
 Every variant on plait.models' decoder, HF Llama and Qwen3, and on the families with sliding
 windows (Mistral; Gemma 2 with soft-capping and mixed local/global layers; Gemma 3; GPT-OSS with
-sinks and mixed layers) (fp32, gloo); Gemma 2 and GPT-OSS also at cp 2 x tp 2, the CI subset of
+sinks and mixed layers), and on hybrids whose convolutions and linear attention run gathered (LFM2,
+Qwen3.5) (fp32, gloo); Gemma 2 and GPT-OSS also at cp 2 x tp 2, the CI subset of
 ``tools/hf_sweep``'s cp cases. Each multi-rank body runs several configurations
 so the workers are reused; the full matrix (8 ranks, the reference decoder) is in
 ``tools/bench/cp_bench.py --parity``.
@@ -33,6 +34,11 @@ FEATURES: list[tuple[Any, ...]] = [
 CP_TP_FAMILIES: list[tuple[Any, ...]] = [
     (kind, {"cp_size": 2, "tp_size": 2}, {}) for kind in ("gemma2", "gpt_oss")
 ]
+GATHER = {"cp_sequence_mixers": "gather"}
+GATHERED: list[tuple[Any, ...]] = [  # sequence mixers run on the whole sequence, attention split
+    ("lfm2", {"cp_size": 2}, GATHER | {"cp_attention": "all_gather"}),  # short convolution
+    ("qwen3_5_text", {"cp_size": 2}, GATHER | {"cp_attention": "ring"}, "full"),  # gated delta net + AC
+]
 PACKED: list[tuple[Any, ...]] = [  # position_ids restart at each document: block-causal attention
     ("llama", {"cp_size": 2}, {"cp_attention": "all_gather"}, False, True),
     ("qwen3", {"cp_size": 2}, {"cp_attention": "ring"}, False, True),
@@ -53,6 +59,7 @@ FOUR_RANKS: list[tuple[Any, ...]] = [
     ),
     ("llama", {"cp_size": 4}, {"cp_attention": "all_to_all"}),  # 2 KV heads repeated for cp 4
     ("qwen3", {"cp_size": 2}, {"cp_attention": "all_to_all"}),  # dp_shard 2 x cp 2
+    ("lfm2", {"cp_size": 2, "tp_size": 2}, GATHER),  # a gathered convolution under TP
 ]
 
 
@@ -81,6 +88,11 @@ def test_cp4_and_with_fsdp_tp_sp_ac() -> None:
 
 def test_cp2_sliding_windows_softcaps_and_sinks() -> None:
     _check(FEATURES, 2)
+
+
+def test_cp2_gathered_sequence_mixers() -> None:
+    """Convolutions and linear attention cp cannot split run on the whole sequence, exactly."""
+    _check(GATHERED, 2)
 
 
 def test_cp2_packed_documents() -> None:

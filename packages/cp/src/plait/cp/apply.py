@@ -27,6 +27,7 @@ from plait.cp.gather import GatheredSequence, WholeSequenceAttention, gather_tar
 from plait.cp.hf import (
     CP_ATTRIBUTE,
     attach_hf,
+    dispatches_attention,
     hf_module_refusal,
     hf_refusal,
     is_hf_model,
@@ -193,11 +194,17 @@ def _hf_parts(
     """The HF model's attention modules; its sequence mixers go to ``found.gathered`` (or ``problems``)."""
     attention, mixers = [], []
     for sub_name, sub in hf_model.named_modules():
-        if _looks_like_attention(sub) and (why := hf_module_refusal(sub)):
+        if _attends_elsewhere(sub):
+            problems.append(
+                f"{_join(prefix, sub_name)}: {type(sub).__name__} calls transformers' attention functions "
+                "without causal attention over the sequence (is_causal=False; over layers or blocks?); cp "
+                "cannot tell what it attends over"
+            )
+        elif _looks_like_attention(sub, hf=True) and (why := hf_module_refusal(sub)):
             problems.append(f"{_join(prefix, sub_name)}: {why}")
-        elif _looks_like_attention(sub) and (why := own_forward_refusal(sub)):
+        elif _looks_like_attention(sub, hf=True) and (why := own_forward_refusal(sub)):
             mixers.append((sub_name, why))
-        elif _looks_like_attention(sub):
+        elif _looks_like_attention(sub, hf=True):
             attention.append(sub)
         elif why := sequence_mixer_refusal(sub):
             mixers.append((sub_name, why))
@@ -244,8 +251,19 @@ def _check_heads(model: nn.Module, modules: list[nn.Module], mesh_context: MeshC
         raise ValueError("context parallel cannot split these attention heads:\n  " + "\n  ".join(problems))
 
 
-def _looks_like_attention(module: nn.Module) -> bool:
-    return isinstance(module, nn.MultiheadAttention) or type(module).__name__.endswith("Attention")
+def _looks_like_attention(module: nn.Module, *, hf: bool = False) -> bool:
+    """An attention module: ``nn.MultiheadAttention``, a class named ``*Attention`` or, in a transformers
+    model, a causal module that calls its attention functions (``LongcatFlashMLA``)."""
+    if isinstance(module, nn.MultiheadAttention) or type(module).__name__.endswith("Attention"):
+        return True
+    return hf and getattr(module, "is_causal", None) is True and dispatches_attention(module)
+
+
+def _attends_elsewhere(module: nn.Module) -> bool:
+    """A transformers module that is not named ``*Attention``, calls the attention functions and is not causal."""
+    if type(module).__name__.endswith("Attention") or getattr(module, "is_causal", None) is not False:
+        return False
+    return dispatches_attention(module)
 
 
 def _join(prefix: str, name: str) -> str:

@@ -123,16 +123,12 @@ class GatheredSequence:
                 f"{self.name} ({type(module).__name__}) runs gathered under cp but its input {key} is a "
                 "DTensor (sequence parallel); turn sequence_parallel off or set cp_sequence_mixers='refuse'"
             )
-        if (
-            value.ndim >= 2
-            and value.shape[0] == shape[0]
-            and value.shape[1] != shape[1]
-            and shape[1] in value.shape[2:]
-        ):
+        sequence = value.ndim >= 2 and (value.shape[0], value.shape[1]) == shape
+        if not sequence and shape[1] in value.shape:
             raise ValueError(
                 f"{self.name} ({type(module).__name__}) runs gathered under cp but its input {key} "
-                f"{tuple(value.shape)} holds the local sequence ({shape[1]}) in another dim than dim 1 (a mask?); "
-                "it cannot be gathered: train without it or set cp_sequence_mixers='refuse'"
+                f"{tuple(value.shape)} holds the local sequence ({shape[1]}) otherwise than as [batch, seq, ...] "
+                "(a mask?); it cannot be gathered: train without it or set cp_sequence_mixers='refuse'"
             )
 
     def _convert(self, key: str, value: Any, shape: tuple[int, int]) -> Any:

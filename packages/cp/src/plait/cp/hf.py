@@ -63,6 +63,9 @@ _DISPATCH_MARKERS = ("ALL_ATTENTION_FUNCTIONS", "attention_interface")
 """What the forward of a transformers attention module that dispatches by ``_attn_implementation`` contains."""
 _FEATURE_KWARGS = {"sliding_window": "window", "softcap": "softcap", "s_aux": "sinks"}
 """The attention-function keywords of transformers' attention modules cp honours, and its own names."""
+_KNOWN_TENSOR_KWARGS = frozenset({"s_aux", "position_ids", DOCUMENTS_KEY})
+"""Tensor keywords an attention function may receive that cp attention honours (sinks) or reads
+elsewhere (positions, documents); any other tensor is refused rather than dropped."""
 
 
 def hf_module_refusal(module: nn.Module) -> str | None:
@@ -122,6 +125,14 @@ def sequence_mixer_refusal(module: nn.Module) -> str | None:
     return None
 
 
+def dispatches_attention(module: nn.Module) -> bool:
+    """Whether ``module``'s forward (or an ancestor class's) calls transformers' attention functions."""
+    sources = [
+        _forward_source(c) for c in type(module).__mro__ if "forward" in vars(c) and c is not nn.Module
+    ]
+    return any("ALL_ATTENTION_FUNCTIONS.get_interface(" in src for src in sources)
+
+
 def _slides(config: Any) -> bool:
     layer_types = getattr(config, "layer_types", None) or ()
     return "sliding_attention" in layer_types or bool(getattr(config, "use_sliding_window", False))
@@ -168,6 +179,14 @@ def _hf_attention(
         raise ValueError(
             f"{type(module).__name__} runs attn_implementation {ATTN_IMPLEMENTATION!r} but was not prepared "
             "by plait.cp.apply_context_parallel"
+        )
+    unknown = sorted(
+        k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in _KNOWN_TENSOR_KWARGS
+    )
+    if unknown:
+        raise ValueError(
+            f"{type(module).__name__} hands its attention function {unknown} (tensors cp attention does not "
+            "apply, e.g. an additive position bias); run this model with cp_size 1"
         )
     features = {ours: kwargs.get(theirs) for theirs, ours in _FEATURE_KWARGS.items()}
     features["documents"] = kwargs.get(DOCUMENTS_KEY)  # handed down by the model's forward (**kwargs)

@@ -56,11 +56,15 @@ CP_FEATURE_MODELS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 4,  # every expert: no top-k choice another CPU's rounding could flip
         "head_dim": 8,
     },
+    "lfm2": {"layer_types": ["conv", "full_attention"], "attn_implementation": "sdpa"},
+    "qwen3_5_text": {"layer_types": ["linear_attention", "full_attention"], "vector_noise": 0.1},
 }
 """Families whose attention has a window, soft-capping or sinks, with settings that make them matter at
 :data:`CP_SEQ` (a 5-token window spans chunk and rank boundaries at cp 2 and 4; soft-cap 1.0 bends
 the scores; ``query_pre_attn_scalar`` 4 makes Gemma 2's and Gemma 3's scores large; Gemma 3 mixes a
-sliding and a global layer)."""
+sliding and a global layer), and hybrids whose sequence mixers cp runs gathered
+(``cp_sequence_mixers='gather'``): LFM2's short convolution and Qwen3.5's gated delta net, each
+next to a full-attention layer cp splits."""
 
 
 def cp_decoder(kind: str) -> nn.Module:
