@@ -99,3 +99,25 @@ def test_moe_recipe_at_cp2_x_ep2_matches_its_fsdp_run(tmp_path: Path) -> None:
     for got in run_on_ranks(_train_losses, 4, str(tmp_path / "cp2_ep2"), overrides, 5, "moe_ep", MOE):
         assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5, (ref, got)
     assert ref[4] < ref[0]  # it trained
+
+
+def test_plan_lists_the_gathered_sequence_mixers_and_refuses_them_by_default() -> None:
+    """LFM2's short convolutions run on the whole sequence only when the recipe asks for it."""
+    import pytest
+
+    from plait.train.plan import plan
+    from plait.train.recipes import load_recipe
+
+    lfm2 = [
+        *RECIPE,
+        "parallel.cp_size=2",
+        "model.hf_class=Lfm2ForCausalLM",
+        "model.hf_config.num_hidden_layers=4",
+        "model.hf_config.layer_types=[conv,full_attention,conv,full_attention]",
+    ]
+    report = plan(load_recipe("hf_llama", [*lfm2, "parallel.options.cp_sequence_mixers=gather"]), 2)
+    assert "nothing saved in them): 2 modules, model.layers.0.conv, model.layers.2.conv" in report
+    with pytest.raises(
+        ValueError, match=r"layers\.0\.conv\.conv: a convolution .*cp_sequence_mixers='gather'"
+    ):
+        plan(load_recipe("hf_llama", lfm2), 2)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_sweep.family import Case, run_family, select_cases
-from hf_sweep.report import markdown_table, summary
+from hf_sweep.report import apply_floors, markdown_table, summary
 
 HERE = Path(__file__).resolve().parent.parent
 
@@ -163,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
     latest = {(r["family"], r["case"]): r for r in records}  # a rerun replaces a family's earlier lines
     results = sorted(latest.values(), key=lambda r: (r["family"], r["case"]))
+    floor_jsonl = args.out / "floor" / "floor.jsonl"
+    if floor_jsonl.exists():
+        results = apply_floors(
+            results, [json.loads(line) for line in floor_jsonl.read_text().splitlines() if line.strip()]
+        )
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (args.out / "results.md").write_text(markdown_table(results) + "\n\n" + summary(results) + "\n")
     print(summary(results))

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from plait.cp import cp_attention_choice, kv_repeats
+from plait.cp import cp_attention_choice, cp_gathered_modules, kv_repeats
 from plait.mesh import FSDP2Config, MeshContext, StrategyConfig
 from plait.sidecar import ParallelPlan, get_parallel_plan, plan_parallelism
 from plait.train.config import Recipe
@@ -220,6 +220,15 @@ def _cp_text(model: nn.Module, ctx: MeshContext, recipe: Recipe) -> str:
         "all_to_all": " (every token of 1/cp of the heads)",
     }[variant]
     hidden = recipe.data.micro_batch_size * (seq // cp) * _model_dims(model)[0] * act_bytes
+    gathered = cp_gathered_modules(model, ctx)
+    whole = (
+        [
+            f"  run on the whole sequence on every cp rank (cp_sequence_mixers=gather, nothing saved in them): "
+            f"{len(gathered)} modules, {', '.join(gathered[:3])}{', ...' if len(gathered) > 3 else ''}"
+        ]
+        if gathered
+        else []
+    )
     return "\n".join(
         [
             f"context parallel: cp={cp}, cp_attention={variant} ({choice.reason}): each sequence of {seq} "
@@ -227,6 +236,7 @@ def _cp_text(model: nn.Module, ctx: MeshContext, recipe: Recipe) -> str:
             "tokens per rank",
             f"  per rank and layer (micro-batch {recipe.data.micro_batch_size}): hidden state "
             f"{format_bytes(hidden)}, K/V kept for backward {format_bytes(kept)}{where}",
+            *whole,
         ]
     )
 
