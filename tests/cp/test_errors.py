@@ -215,9 +215,13 @@ def test_attention_functions_used_over_blocks_are_refused_by_name(fake_pg) -> No
 
 
 def test_a_tensor_the_attention_function_would_drop_is_refused(fake_pg) -> None:
-    """Inkling hands its attention function an additive position_bias= that cp attention does not apply."""
+    """An additive position_bias= (Inkling's) reaching split cp attention is refused, not dropped."""
+    from transformers import AttentionInterface
+
     with fake_pg(2, rank=1):
-        model = apply_context_parallel(_sweep_model("inkling_text"), _ctx("gather"))
-        ids = torch.zeros(1, 8, dtype=torch.long)
+        model = apply_context_parallel(cp_decoder("llama"), _ctx())
+        attention = AttentionInterface()["plait_cp"]
+        module = model.model.layers[0].self_attn
+        q = torch.zeros(1, 4, 8, 8)
         with pytest.raises(ValueError, match=r"\['position_bias'\] \(tensors cp attention does not apply"):
-            model(input_ids=ids, position_ids=global_positions(16, 1, 2)[None])
+            attention(module, q, q, q, None, position_bias=torch.zeros(1, 4, 8, 8))

@@ -98,13 +98,17 @@ def whole_sequence_attention(
     scale: float,
     sinks: torch.Tensor | None,
     documents: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over the whole sequence (``[B, H, L, D]``; ``sinks``: ``[H]``; ``documents``: ``[B, L]``).
 
-    Plain causal / full attention goes to SDPA; a window, soft-capping, sinks or documents are computed by
-    hand (scores materialised, as CPU SDPA does; autograd differentiates them).
+    ``bias`` (broadcastable to the ``[B, H, L, L]`` scores): a boolean mask of the keys kept or an
+    additive float bias, applied after the soft-cap, as transformers' eager attention applies masks.
+    Plain causal / full attention goes to SDPA; a window, soft-capping, sinks, documents or a bias are
+    computed by hand (scores materialised, as CPU SDPA does; autograd differentiates them).
     """
-    if features.window is None and features.softcap is None and sinks is None and documents is None:
+    plain = features.window is None and features.softcap is None
+    if plain and sinks is None and documents is None and bias is None:
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=features.causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
@@ -112,6 +116,8 @@ def whole_sequence_attention(
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     mode = 0 if features.causal else FULL  # one chunk: the whole sequence
     s = masked_scores(q, k, scale, mode, features, None if documents is None else (documents, documents))
+    if bias is not None:
+        s = s.masked_fill(~bias, float("-inf")) if bias.dtype == torch.bool else s + bias.float()
     if sinks is None:
         p = torch.softmax(s, dim=-1)
     else:

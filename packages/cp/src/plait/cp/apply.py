@@ -33,6 +33,7 @@ from plait.cp.hf import (
     is_hf_model,
     own_forward_refusal,
     sequence_mixer_refusal,
+    sparse_refusal,
 )
 from plait.cp.layout import DOCUMENTS_KEY, cp_mesh, global_positions
 
@@ -112,7 +113,7 @@ def apply_context_parallel(
         for inner in module.modules():
             if hasattr(inner, CP_ATTRIBUTE):
                 setattr(inner, CP_ATTRIBUTE, WholeSequenceAttention())
-        GatheredSequence(mesh, name).attach(module)
+        GatheredSequence(mesh, name, causal_mask=name in found.masked).attach(module)
     guard = _InputGuard(
         mesh.size(), mesh.get_local_rank(), documents=not found.fn_modules, gathered=bool(found.gathered)
     )
@@ -140,6 +141,8 @@ class _Found:
     fn_modules: list[nn.Module] = field(default_factory=list)
     hf_models: list[tuple[nn.Module, list[nn.Module]]] = field(default_factory=list)
     gathered: dict[str, nn.Module] = field(default_factory=dict)
+    masked: set[str] = field(default_factory=set)
+    """Gathered sparse attention modules, handed the whole sequence's causal mask."""
 
     def attention(self) -> list[nn.Module]:
         """Every attention module cp attention splits (not those inside a gathered module)."""
@@ -192,7 +195,7 @@ def _hf_parts(
     prefix: str, hf_model: nn.Module, gather: bool, found: _Found, problems: list[str]
 ) -> list[nn.Module]:
     """The HF model's attention modules; its sequence mixers go to ``found.gathered`` (or ``problems``)."""
-    attention, mixers = [], []
+    attention, mixers, sparse = [], [], set()
     for sub_name, sub in hf_model.named_modules():
         if _attends_elsewhere(sub):
             problems.append(
@@ -202,6 +205,9 @@ def _hf_parts(
             )
         elif _looks_like_attention(sub, hf=True) and (why := hf_module_refusal(sub)):
             problems.append(f"{_join(prefix, sub_name)}: {why}")
+        elif _looks_like_attention(sub, hf=True) and (why := sparse_refusal(sub)):
+            mixers.append((sub_name, why))
+            sparse.add(sub_name)
         elif _looks_like_attention(sub, hf=True) and (why := own_forward_refusal(sub)):
             mixers.append((sub_name, why))
         elif _looks_like_attention(sub, hf=True):
@@ -219,6 +225,8 @@ def _hf_parts(
     for target, module in targets.items():  # the outermost of nested targets
         if not any(target.startswith(other + ".") for other in targets):
             found.gathered[_join(prefix, target)] = module
+            if target in sparse:
+                found.masked.add(_join(prefix, target))
     return attention
 
 

@@ -80,9 +80,10 @@ class GatheredSequence:
     or a DTensor is refused: it cannot be gathered as a sequence.
     """
 
-    def __init__(self, mesh: DeviceMesh, name: str) -> None:
+    def __init__(self, mesh: DeviceMesh, name: str, *, causal_mask: bool = False) -> None:
         self.group, self.cp_size, self.cp_rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
         self.name = name
+        self.causal_mask = causal_mask  # hand the module the whole sequence's causal mask (sparse attention)
 
     def attach(self, module: nn.Module) -> None:
         """Register both hooks on ``module``."""
@@ -104,7 +105,24 @@ class GatheredSequence:
         for key, value in named:
             self._check(module, key, value, shape)
         new_args = tuple(self._convert(f"argument {i}", a, shape) for i, a in enumerate(args))
-        return new_args, {k: self._convert(k, v, shape) for k, v in kwargs.items()}
+        new_kwargs = {k: self._convert(k, v, shape) for k, v in kwargs.items()}
+        if self.causal_mask:
+            new_kwargs["attention_mask"] = self._whole_causal_mask(module, kwargs, shape, hidden.device)
+        return new_args, new_kwargs
+
+    def _whole_causal_mask(
+        self, module: nn.Module, kwargs: dict[str, Any], shape: tuple[int, int], device: torch.device
+    ) -> torch.Tensor:
+        """``[B, 1, L, L]`` keys kept (causal): cp attention's models build no mask, a sparse indexer needs one."""
+        if "attention_mask" not in kwargs or kwargs["attention_mask"] is not None:
+            raise ValueError(
+                f"{self.name} ({type(module).__name__}) runs gathered under cp and needs the causal mask as "
+                f"attention_mask=None (got {'none passed' if 'attention_mask' not in kwargs else 'a mask'}); "
+                "set cp_sequence_mixers='refuse'"
+            )
+        whole = shape[1] * self.cp_size
+        keep = torch.ones(whole, whole, dtype=torch.bool, device=device).tril()
+        return keep[None, None].expand(shape[0], 1, whole, whole)
 
     def after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         """This rank's tokens of every ``[batch, whole, ...]`` output."""
@@ -166,8 +184,14 @@ class WholeSequenceAttention:
     """`ContextParallelAttention`'s call signature for an attention inside a gathered module.
 
     Its queries, keys and values already hold the whole sequence (in order), so it is plain attention
-    with the same features (causal, window, soft-cap, sinks) on one rank, without a collective.
+    with the same features (causal, window, soft-cap, sinks) on one rank, without a collective. It
+    also takes what sparse and biased attention modules hand their attention function: a mask
+    (boolean keys kept, or additive), DSA's top-k ``indices`` (``[B, L, k]``: only those keys) and an
+    additive ``position_bias`` (Inkling).
     """
+
+    extra_kwargs = ("indices", "position_bias")
+    """The attention-function keywords taken beyond `ContextParallelAttention`'s."""
 
     def __repr__(self) -> str:
         return "WholeSequenceAttention()"
@@ -187,15 +211,42 @@ class WholeSequenceAttention:
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
+        indices: torch.Tensor | None = None,
+        position_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if attn_mask is not None or dropout_p or documents is not None:
+        if dropout_p or documents is not None:
             raise ValueError(
-                "attention inside a module cp runs gathered takes no explicit mask, dropout or packed "
-                "documents; run this model with cp_size 1"
+                "attention inside a module cp runs gathered takes no dropout or packed documents; run this "
+                "model with cp_size 1"
             )
-        if sinks is not None and isinstance(sinks, DTensor):
+        if isinstance(sinks, DTensor):
             sinks = sinks.to_local()
         scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-        return whole_sequence_attention(
-            query, key, value, Features(bool(is_causal), window, softcap), scale, sinks, None
-        )
+        features = Features(bool(is_causal), window, softcap)
+        bias = _bias(attn_mask, indices, position_bias, key.shape[-2])
+        return whole_sequence_attention(query, key, value, features, scale, sinks, None, bias)
+
+
+def _bias(
+    mask: torch.Tensor | None, indices: torch.Tensor | None, position_bias: torch.Tensor | None, keys: int
+) -> torch.Tensor | None:
+    """One boolean keep-mask or additive bias from an attention mask, top-k key indices and a position bias."""
+    if indices is not None:
+        chosen = torch.zeros((*indices.shape[:-1], keys), dtype=torch.bool, device=indices.device)
+        chosen = chosen.scatter(-1, indices.long(), True).unsqueeze(1)  # [B, 1, L, keys]
+        mask = chosen if mask is None else _and(mask, chosen)
+    if position_bias is None:
+        return mask
+    if mask is None:
+        return position_bias
+    return position_bias.float() + (_additive(mask) if mask.dtype == torch.bool else mask.float())
+
+
+def _and(mask: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    if mask.dtype == torch.bool:
+        return mask & keep
+    return mask.float().masked_fill(~keep, float("-inf"))
+
+
+def _additive(keep: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(keep.shape, device=keep.device).masked_fill(~keep, float("-inf"))

@@ -82,18 +82,23 @@ def hf_module_refusal(module: nn.Module) -> str | None:
         "softcap": bool(getattr(config, "attn_logit_softcapping", None)),
         "s_aux": getattr(module, "sinks", None) is not None,
     }
-    for child in ("indexer", "compressor"):
-        if isinstance(getattr(module, child, None), nn.Module):
-            return (
-                f"{type(module).__name__} has {child} ({type(getattr(module, child)).__name__}): sparse or "
-                "compressed attention picks or pools keys over the whole sequence, which cp splits"
-            )
     source = _forward_source(type(module))
     for keyword, present in has.items():
         if present and f"{keyword}=" not in source:
             return (
                 f"{type(module).__name__} has {_FEATURE_KWARGS[keyword]} but its forward does not pass "
                 f"{keyword}= to the attention function; cp attention cannot see it"
+            )
+    return None
+
+
+def sparse_refusal(module: nn.Module) -> str | None:
+    """Why an HF attention module picks or pools keys over the whole sequence (an indexer or compressor), or None."""
+    for child in ("indexer", "compressor"):
+        if isinstance(getattr(module, child, None), nn.Module):
+            return (
+                f"{type(module).__name__} has {child} ({type(getattr(module, child)).__name__}): sparse or "
+                "compressed attention picks or pools keys over the whole sequence, which cp splits"
             )
     return None
 
@@ -180,8 +185,11 @@ def _hf_attention(
             f"{type(module).__name__} runs attn_implementation {ATTN_IMPLEMENTATION!r} but was not prepared "
             "by plait.cp.apply_context_parallel"
         )
+    extra = getattr(attention, "extra_kwargs", ())  # what a gathered module's attention also takes
     unknown = sorted(
-        k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in _KNOWN_TENSOR_KWARGS
+        k
+        for k, v in kwargs.items()
+        if isinstance(v, torch.Tensor) and k not in _KNOWN_TENSOR_KWARGS and k not in extra
     )
     if unknown:
         raise ValueError(
@@ -203,5 +211,6 @@ def _hf_attention(
         scale=scaling,
         enable_gqa=True,
         **features,
+        **{k: kwargs[k] for k in extra if kwargs.get(k) is not None},
     )
     return out.transpose(1, 2).contiguous(), None
