@@ -153,6 +153,10 @@ def test_multimodal_models_are_refused(fake_pg) -> None:
             r"layers\.0\.conv\.conv: a convolution over the sequence \(Conv1d, kernel 3\).*cp_sequence_mixers='gather'",
         ),
         ("minimax", r"self_attn: MiniMaxLightningAttention computes attention in its own forward"),
+        (
+            "doge",
+            r"self_attn: DogeAttention hands its attention function a mask it builds itself \(attn_mask\)",
+        ),
     ],
 )
 def test_attention_cp_cannot_see_is_refused_by_name(fake_pg, model_type: str, match: str) -> None:

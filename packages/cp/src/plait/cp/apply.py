@@ -32,6 +32,7 @@ from plait.cp.hf import (
     hf_refusal,
     is_hf_model,
     own_forward_refusal,
+    own_mask_refusal,
     sequence_mixer_refusal,
     sparse_refusal,
 )
@@ -205,7 +206,7 @@ def _hf_parts(
             )
         elif _looks_like_attention(sub, hf=True) and (why := hf_module_refusal(sub)):
             problems.append(f"{_join(prefix, sub_name)}: {why}")
-        elif _looks_like_attention(sub, hf=True) and (why := sparse_refusal(sub)):
+        elif _looks_like_attention(sub, hf=True) and (why := sparse_refusal(sub) or own_mask_refusal(sub)):
             mixers.append((sub_name, why))
             sparse.add(sub_name)
         elif _looks_like_attention(sub, hf=True) and (why := own_forward_refusal(sub)):

@@ -8,7 +8,10 @@ class is changed. transformers is imported lazily: plait-cp does not depend on i
 
 from __future__ import annotations
 
+import ast
+import functools
 import inspect
+import textwrap
 from typing import Any
 
 import torch
@@ -100,6 +103,37 @@ def sparse_refusal(module: nn.Module) -> str | None:
                 f"{type(module).__name__} has {child} ({type(getattr(module, child)).__name__}): sparse or "
                 "compressed attention picks or pools keys over the whole sequence, which cp splits"
             )
+    return None
+
+
+def own_mask_refusal(module: nn.Module) -> str | None:
+    """Why an HF attention module hands its attention function a mask it builds itself (Doge's dynamic
+    mask: scores of keys across the whole sequence), or None; read from its ``forward``'s source."""
+    mask = _mask_argument(type(module))
+    if mask in (None, "attention_mask", "None"):
+        return None
+    return (
+        f"{type(module).__name__} hands its attention function a mask it builds itself ({mask}); cp "
+        "attention takes none (the mask would span ranks)"
+    )
+
+
+@functools.cache
+def _mask_argument(cls: type) -> str | None:
+    """The source of the mask argument of the ``attention_interface(...)`` call in ``cls.forward``, or None."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "attention_interface"
+        ):
+            named = [k.value for k in node.keywords if k.arg == "attention_mask"]
+            mask = named[0] if named else node.args[4] if len(node.args) > 4 else None
+            return None if mask is None else ast.unparse(mask)
     return None
 
 
