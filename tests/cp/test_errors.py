@@ -189,6 +189,7 @@ def _sweep_model(model_type: str) -> nn.Module:
         ("lfm2_moe", ("model.layers.0.conv",)),  # the short convolution's block, not the Conv1d alone
         ("minimax", ("model.layers.1.self_attn",)),  # lightning attention computed in its own forward
         ("qwen3_next", ("model.layers.0.linear_attn", "model.layers.1.linear_attn")),
+        ("deepseek_v32", ("model.layers.0.self_attn", "model.layers.1.self_attn")),  # DSA indexers
         ("llama", ()),
     ],
 )
@@ -229,3 +230,9 @@ def test_a_tensor_the_attention_function_would_drop_is_refused(fake_pg) -> None:
         q = torch.zeros(1, 4, 8, 8)
         with pytest.raises(ValueError, match=r"\['position_bias'\] \(tensors cp attention does not apply"):
             attention(module, q, q, q, None, position_bias=torch.zeros(1, 4, 8, 8))
+
+
+def test_compressed_attention_is_refused_even_when_gathering(fake_pg) -> None:
+    """DeepSeek V4 pools keys over windows with tensors cp cannot gather: refused by name, not run."""
+    with fake_pg(2), pytest.raises(ValueError, match=r"DeepseekV4Attention has compressor \(DeepseekV4"):
+        check_context_parallel_model(_sweep_model("deepseek_v4"), _ctx("gather"))

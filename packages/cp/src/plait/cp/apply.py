@@ -112,7 +112,7 @@ def apply_context_parallel(
         attach_hf(hf_model, modules, attention)
     for name, module in found.gathered.items():
         for inner in module.modules():
-            if hasattr(inner, CP_ATTRIBUTE):
+            if hasattr(inner, CP_ATTRIBUTE) or dispatches_attention(inner):
                 setattr(inner, CP_ATTRIBUTE, WholeSequenceAttention())
         GatheredSequence(mesh, name, causal_mask=name in found.masked).attach(module)
     guard = _InputGuard(

@@ -85,6 +85,11 @@ def hf_module_refusal(module: nn.Module) -> str | None:
         "softcap": bool(getattr(config, "attn_logit_softcapping", None)),
         "s_aux": getattr(module, "sinks", None) is not None,
     }
+    if isinstance(compressor := getattr(module, "compressor", None), nn.Module):
+        return (
+            f"{type(module).__name__} has compressor ({type(compressor).__name__}): compressed attention pools "
+            "keys over windows of the whole sequence, which cp splits"
+        )
     source = _forward_source(type(module))
     for keyword, present in has.items():
         if present and f"{keyword}=" not in source:
@@ -96,13 +101,12 @@ def hf_module_refusal(module: nn.Module) -> str | None:
 
 
 def sparse_refusal(module: nn.Module) -> str | None:
-    """Why an HF attention module picks or pools keys over the whole sequence (an indexer or compressor), or None."""
-    for child in ("indexer", "compressor"):
-        if isinstance(getattr(module, child, None), nn.Module):
-            return (
-                f"{type(module).__name__} has {child} ({type(getattr(module, child)).__name__}): sparse or "
-                "compressed attention picks or pools keys over the whole sequence, which cp splits"
-            )
+    """Why an HF attention module picks keys over the whole sequence (a DSA indexer), or None."""
+    if isinstance(indexer := getattr(module, "indexer", None), nn.Module):
+        return (
+            f"{type(module).__name__} has indexer ({type(indexer).__name__}): sparse attention picks keys over "
+            "the whole sequence, which cp splits"
+        )
     return None
 
 
