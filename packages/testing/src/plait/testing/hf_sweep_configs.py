@@ -75,7 +75,11 @@ SWEEP_HF_OVERRIDES: dict[str, dict[str, Any]] = {
     "deepseek_v4": {"mlp_layer_types": ["moe", "moe"]},
     "dots3_note_text": _LATENT,
     "flint": {"mlp_only_layers": [0]},  # every layer dense by default at this size
-    "gemma4_text": {"enable_moe_block": True, "top_k_experts": 2},  # the MoE block is off by default
+    "gemma4_text": {  # the MoE block is off by default; per-layer input embeddings: 262k x 512 by default
+        "enable_moe_block": True,
+        "top_k_experts": 2,
+        "vocab_size_per_layer_input": _VOCAB,
+    },
     "gemma3n_text": {  # one of the two layers reuses the other's KV (default: the last 15 of 35 layers)
         "num_kv_shared_layers": 1,
         "vocab_size_per_layer_input": _VOCAB,  # per-layer input embeddings: 262k x 256 per layer by default
