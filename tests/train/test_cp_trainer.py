@@ -121,3 +121,14 @@ def test_plan_lists_the_gathered_sequence_mixers_and_refuses_them_by_default() -
         ValueError, match=r"layers\.0\.conv\.conv: a convolution .*cp_sequence_mixers='gather'"
     ):
         plan(load_recipe("hf_llama", lfm2), 2)
+
+
+def test_plan_of_a_pipelined_hf_model_describes_its_cp_attention() -> None:
+    """pp 2 x cp 2: the cp lines read the whole model's attention (a pipeline rank holds a StageUnion)."""
+    from plait.train.plan import plan
+    from plait.train.recipes import load_recipe
+
+    overrides = [*RECIPE, "parallel.cp_size=2", "parallel.pp_size=2", "checkpoint.export=false"]
+    report = plan(load_recipe("hf_llama", [*overrides, "model.hf_config.num_hidden_layers=4"]), 4)
+    assert "context parallel: cp=2, cp_attention=all_gather" in report
+    assert "  cp_attention: " in report.split("communication per step")[1]  # its traffic is counted

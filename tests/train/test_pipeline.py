@@ -27,8 +27,22 @@ BASE = [
 PP = ["parallel.pp_size=2", "parallel.pipeline={schedule: interleaved_1f1b, microbatches: 2}"]
 
 
-def _train(tmp: str, overrides: list[str], resume_after: int | None = None) -> list[dict[str, float]]:
-    """Run ``train.steps`` steps; with ``resume_after`` save there, then continue in a fresh Trainer."""
+HF_LLAMA = [  # the hf_llama recipe (transformers' LlamaForCausalLM) at BASE's sizes
+    "model.hf_config.hidden_size=32",
+    "model.hf_config.intermediate_size=64",
+    "model.hf_config.num_hidden_layers=4",
+    "parallel.activation_checkpointing=false",
+    *(o for o in BASE if not o.startswith("model.")),
+]
+
+
+def _train(
+    tmp: str, overrides: list[str], resume_after: int | None = None, recipe_name: str | None = None
+) -> list[dict[str, float]]:
+    """Run ``train.steps`` steps; with ``resume_after`` save there, then continue in a fresh Trainer.
+
+    ``recipe_name``: a shipped recipe with ``overrides`` alone; None: the default recipe with BASE.
+    """
     import torch.distributed as dist
 
     from plait.mesh import init_distributed
@@ -36,7 +50,8 @@ def _train(tmp: str, overrides: list[str], resume_after: int | None = None) -> l
     from plait.train.setup import check_recipe
     from plait.train.trainer import Trainer
 
-    recipe = load_recipe(None, [*BASE, *overrides, f"out_dir={tmp}"])
+    base = BASE if recipe_name is None else []
+    recipe = load_recipe(recipe_name, [*base, *overrides, f"out_dir={tmp}"])
     config = check_recipe(recipe, dist.get_world_size())
     trainer = Trainer(recipe, config, init_distributed())
     metrics = []
@@ -90,6 +105,17 @@ def test_pp2_x_cp2_matches_pp1(tmp_path) -> None:
         for ref, got in zip(reference[:-1], rank[:-1], strict=True):
             assert got["loss"] == pytest.approx(ref["loss"], abs=1e-5)
             assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+
+
+def test_hf_llama_pp2_x_cp2_matches_pp1(tmp_path) -> None:
+    """transformers' Llama in two stages, each context-parallel over 2 ranks (plan and run alike)."""
+    (reference,) = run_on_ranks(_train, 1, str(tmp_path / "pp1"), HF_LLAMA, None, "hf_llama")
+    overrides = [*HF_LLAMA, *PP, "parallel.cp_size=2"]
+    for rank in run_on_ranks(_train, 4, str(tmp_path / "pp2_cp2"), overrides, None, "hf_llama"):
+        for ref, got in zip(reference[:-1], rank[:-1], strict=True):
+            assert got["loss"] == pytest.approx(ref["loss"], abs=1e-5)
+            assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+        assert rank[-1]["val_loss"] == pytest.approx(reference[-1]["val_loss"], abs=1e-5)
 
 
 def test_pipeline_recipe_refusals() -> None:

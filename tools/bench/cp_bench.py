@@ -59,10 +59,11 @@ def _markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+_KINDS = ("dense", "dense_mha", "llama", "qwen3")  # the reference decoder with GQA and MHA, and HF
 PARITY: list[tuple[int, str, dict[str, int], dict[str, Any], Any]] = [
-    (2, kind, {"cp_size": 2}, {}, False) for kind in ("dense", "llama", "qwen3")
+    (2, kind, {"cp_size": 2}, {}, False) for kind in _KINDS
 ] + [
-    *((4, kind, {"cp_size": 4}, {}, False) for kind in ("dense", "llama", "qwen3")),
+    *((4, kind, {"cp_size": 4}, {}, False) for kind in _KINDS),
     (4, "dense", {"cp_size": 2}, {}, False),  # dp_shard 2 x cp 2
     (4, "qwen3", {"cp_size": 2, "tp_size": 2}, {}, False),
     (4, "dense", {"cp_size": 2, "tp_size": 2}, {"sequence_parallel": True}, "full"),
@@ -78,8 +79,8 @@ PARITY: list[tuple[int, str, dict[str, int], dict[str, Any], Any]] = [
 ]
 
 
-PARITY_VARIANTS = ("all_gather", "ring")
-"""The parity matrix's variants (unchanged here; ``all_to_all``'s end-to-end cases live in tests/cp)."""
+PARITY_VARIANTS = ("all_gather", "ring", "all_to_all")
+"""Every configuration of the parity matrix runs in each variant (tests/cp holds the CI subset)."""
 
 COMPILE = [(2, "dense", {"cp_size": 2}, {"enable_compile": True}, False)]
 """Per-layer torch.compile (inductor on CPU: minutes per case), with ``--parity --compile``."""

@@ -126,8 +126,20 @@ def _model_dims(model: nn.Module) -> tuple[int, int, int]:
     )
 
 
-def comm_estimate(model: nn.Module, ctx: MeshContext, recipe: Recipe, world_size: int) -> CommEstimate:
-    """Estimate per-step traffic from the shard layout (ring collectives: (n-1)/n of the buffer)."""
+def comm_estimate(
+    model: nn.Module,
+    ctx: MeshContext,
+    recipe: Recipe,
+    world_size: int,
+    *,
+    cp_model: nn.Module | None = None,
+    local_layers: int | None = None,
+) -> CommEstimate:
+    """Estimate per-step traffic from the shard layout (ring collectives: (n-1)/n of the buffer).
+
+    ``cp_model``: the model whose sizes and attention the per-layer terms read when ``model`` is not
+    one (a pipeline rank's `StageUnion`), and ``local_layers`` the layers that rank holds.
+    """
     est = CommEstimate()
     cfg = ctx.strategy_config
     accum = recipe.train.grad_accum
@@ -151,7 +163,8 @@ def comm_estimate(model: nn.Module, ctx: MeshContext, recipe: Recipe, world_size
         est.fsdp_reduce_scatter = (shard - 1) * shard_total * reduce_bytes
         if replicas > 1:
             est.hsdp_all_reduce = 2 * (replicas - 1) / replicas * shard_total * reduce_bytes
-    hidden, layers, top_k = _model_dims(model)
+    hidden, layers, top_k = _model_dims(cp_model or model)
+    layers = layers if local_layers is None else local_layers
     tokens = recipe.data.micro_batch_size * recipe.data.seq_len
     act_bytes = 2 if recipe.parallel.mixed_precision == "bf16" else 4
     activation = tokens * hidden * act_bytes
@@ -163,7 +176,7 @@ def comm_estimate(model: nn.Module, ctx: MeshContext, recipe: Recipe, world_size
         # an all-gather + a reduce-scatter) without: the same 4 ring passes over the activation.
         est.tp_activations = layers * passes * 4 * per_collective * accum
     if ctx.cp_size > 1:
-        est.cp_attention = _cp_bytes(model, ctx, recipe) * layers * accum
+        est.cp_attention = _cp_bytes(cp_model or model, ctx, recipe) * layers * accum
     if ctx.ep_size > 1:
         e = ctx.ep_size
         est.ep_all_to_all = (
@@ -289,6 +302,10 @@ class DryRun:
     """Pipeline parallel: every stage's layers, parameters and memory."""
     whole_params: int | None = None
     """Pipeline parallel: parameters of the whole model (``model`` holds rank 0's stages only)."""
+    whole: nn.Module | None = None
+    """Pipeline parallel: the unsplit model, whose sizes and attention the per-layer lines read."""
+    local_layers: int | None = None
+    """Pipeline parallel: the layers of rank 0's stages."""
 
 
 @contextlib.contextmanager
@@ -324,7 +341,9 @@ def dry_run(recipe: Recipe, config: StrategyConfig, world_size: int) -> DryRun:
         pipe = build_pipeline(recipe, ctx, torch.device("meta"), _no_loss, materialise=False)
         plans = [whole, *(get_parallel_plan(m) for m in pipe.modules)]
         whole_params = sum(p.numel() for p in model.parameters())
-        return DryRun(ctx, pipe.state_module(), plans, stages_text(recipe, pipe, ctx), whole_params)
+        stages = stages_text(recipe, pipe, ctx)
+        local = sum(len(pipe.specs[i].layers) for i in pipe.stage_indices)
+        return DryRun(ctx, pipe.state_module(), plans, stages, whole_params, whole=model, local_layers=local)
     model = build_parallel_model(recipe, ctx, torch.device("meta"), materialise=False)
     return DryRun(ctx, model, [get_parallel_plan(model)])
 
@@ -371,8 +390,10 @@ def plan(recipe: Recipe, world_size: int) -> str:
             _layout_text(model, run.whole_params),
             *([run.stages] if run.stages else []),
             _memory_text(model),
-            *([_cp_text(model, ctx, recipe)] if ctx.cp_size > 1 else []),
-            comm_estimate(model, ctx, recipe, world_size).text(batch_assumed(recipe, ctx, world_size)),
+            *([_cp_text(run.whole or model, ctx, recipe)] if ctx.cp_size > 1 else []),
+            comm_estimate(
+                model, ctx, recipe, world_size, cp_model=run.whole, local_layers=run.local_layers
+            ).text(batch_assumed(recipe, ctx, world_size)),
             f"planned in {time.perf_counter() - start:.1f} s",
         ]
     return "\n".join(report)

@@ -227,12 +227,18 @@ def check_untied_across_stages(model: nn.Module, parts: DecoderParts) -> None:
 
 
 def build_stage_module(model: nn.Module, parts: DecoderParts, spec: StageSpec, num_stages: int) -> nn.Module:
-    """Return ``model`` pruned to ``spec``: a module tree copy sharing parameters and buffers with ``model``.
+    """Return ``model`` pruned to ``spec``: a module tree copy sharing parameters, buffers and configs with ``model``.
 
     Layers keep their original index as their name inside the container; the embedding (unless
     first), final norm and head (unless last) become `PrunedModule`.
     """
     memo: dict[int, object] = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    # One config per model: the kept layers are the originals, so a copied config would leave their
+    # modules reading another object than the stage's (an attention switch on the stage missed them).
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and not isinstance(config, nn.Module | torch.Tensor):
+            memo[id(config)] = config
     container = model.get_submodule(parts.layers)
     for layer in container:
         memo.setdefault(id(layer), None)

@@ -69,12 +69,14 @@ next to a full-attention layer cp splits."""
 
 def cp_decoder(kind: str) -> nn.Module:
     """A tiny seeded causal LM: ``llama`` / ``qwen3`` (Hugging Face, tied), a family of
-    :data:`CP_FEATURE_MODELS`, or ``dense`` (plait reference)."""
-    if kind == "dense":
+    :data:`CP_FEATURE_MODELS`, or ``dense`` / ``dense_mha`` (plait reference: 4 query heads over 2
+    KV heads, or 4 over 4)."""
+    if kind in ("dense", "dense_mha"):
         from plait.models import DecoderConfig, DenseDecoder
 
         torch.manual_seed(0)
-        return DenseDecoder(DecoderConfig(vocab_size=CP_VOCAB))
+        kv_heads = {"num_key_value_heads": 4} if kind == "dense_mha" else {}
+        return DenseDecoder(DecoderConfig(vocab_size=CP_VOCAB, **kv_heads))
     if kind in CP_FEATURE_MODELS:
         fields = dict(CP_FEATURE_MODELS[kind])
         noise = fields.pop("vector_noise", 0.0)
