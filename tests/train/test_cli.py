@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import plait.train.quiet_logs  # noqa: F401 - as entry() does before main(): torchao's import notice
 from plait.testing import run_on_ranks
 from plait.train.cli import main
 from tests.train._ranks import run_killing_a_rank
@@ -260,3 +261,17 @@ def test_cuda_only_settings_without_gpus_are_one_line_naming_the_setting(
         line = _one_line_error([*command, *_sets([*overrides, f"out_dir={tmp_path}/x"])], capsys)
         assert "no CUDA GPU is available on this machine" in line and setting in line, line
     assert not (tmp_path / "x").exists()
+
+
+def test_plan_deepseek_v3_on_16384_ranks(capsys: pytest.CaptureFixture[str]):
+    """pp 16 x tp 8 x cp 2 x ep 64: every stage's memory, in under a minute on one process."""
+    assert main(["plan", "--recipe", "deepseek_v3", "--world-size", "16384"]) == 0
+    out = capsys.readouterr().out
+    assert "parameters: 671,026,404,352 total" in out  # DeepSeek-V3 without its MTP module
+    assert "mesh pp=16 x dp_replicate=1 x dp_shard=64 x cp=2 x tp=8 | moe mesh ep_shard=16 x ep=64" in out
+    assert (
+        len(re.findall(r"^  stage \d+ \(pp rank \d+\): layers .* params, ~[\d.]+ MiB per rank$", out, re.M))
+        == 16
+    )
+    assert "context parallel: cp=2" in out and "ep_all_to_all" in out and "  cp_attention: " in out
+    assert float(re.search(r"planned in ([\d.]+) s", out).group(1)) < 60

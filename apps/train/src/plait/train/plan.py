@@ -348,6 +348,13 @@ def dry_run(recipe: Recipe, config: StrategyConfig, world_size: int) -> DryRun:
     return DryRun(ctx, model, [get_parallel_plan(model)])
 
 
+def _model_line(model: nn.Module, recipe: Recipe) -> str:
+    """``model <class> (<source>, preset <preset>)``; a Hugging Face model has its class, not a preset."""
+    source = recipe.model.source
+    detail = source if source == "hf" else f"{source}, preset {recipe.model.preset}"
+    return f"model {model_class_name(model)} ({detail})"
+
+
 def _plan_texts(plans: list[ParallelPlan | None]) -> list[str]:
     """One plan, or the whole model's and then each of rank 0's pipeline stages'."""
     if len(plans) == 1:
@@ -385,7 +392,7 @@ def plan(recipe: Recipe, world_size: int) -> str:
         report = [
             f"plan: recipe {recipe.name} on {world_size} ranks (fake process group, meta tensors)",
             describe_mesh(ctx, world_size),
-            f"model {model_class_name(model)} ({recipe.model.source}, preset {recipe.model.preset})",
+            _model_line(run.whole or model, recipe),
             *_plan_texts(run.plans),
             _layout_text(model, run.whole_params),
             *([run.stages] if run.stages else []),
