@@ -52,6 +52,11 @@ def test_sequence_parallel_without_tp_warns_ignored():
         plan_meshes(FSDP2Config(sequence_parallel=True), ParallelismSizes(), world_size=2)
 
 
+def test_gathering_sequence_mixers_without_cp_warns_ignored():
+    with pytest.warns(UserWarning, match="cp_sequence_mixers is ignored because cp_size is 1"):
+        plan_meshes(FSDP2Config(cp_sequence_mixers="gather"), ParallelismSizes(), world_size=2)
+
+
 @pytest.mark.parametrize(
     ("sizes", "pattern"),
     [

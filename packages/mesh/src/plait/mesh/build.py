@@ -157,6 +157,8 @@ def plan_meshes(
     if isinstance(strategy_config, FSDP2Config):
         if strategy_config.sequence_parallel and resolved.tp_size == 1:
             warnings.warn("FSDP2Config.sequence_parallel is ignored because tp_size is 1", stacklevel=3)
+        if strategy_config.cp_sequence_mixers != "refuse" and resolved.cp_size == 1:
+            warnings.warn("FSDP2Config.cp_sequence_mixers is ignored because cp_size is 1", stacklevel=3)
         _check_reshard_group(strategy_config, resolved)
         s = resolved
         shape = (s.pp_size, s.dp_replicate_size, s.dp_shard_size, s.cp_size, s.tp_size)
