@@ -23,12 +23,12 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from plait.cp import cp_attention_choice, cp_gathered_modules, kv_repeats
 from plait.mesh import FSDP2Config, MeshContext, StrategyConfig
 from plait.sidecar import ParallelPlan, get_parallel_plan, plan_parallelism
 from plait.train.config import Recipe
 from plait.train.models import build_model
 from plait.train.pipelining import build_pipeline, stages_text
+from plait.train.plan_cp import cp_bytes, cp_text, model_dims
 from plait.train.setup import build_mesh_context, build_parallel_model, check_recipe
 from plait.train.summary import (
     describe_mesh,
@@ -116,16 +116,6 @@ def batch_assumed(recipe: Recipe, ctx: MeshContext, world_size: int) -> str:
     )
 
 
-def _model_dims(model: nn.Module) -> tuple[int, int, int]:
-    config = getattr(model, "config", None)
-    text = getattr(config, "text_config", None) or config
-    return (
-        int(getattr(text, "hidden_size", 0)),
-        int(getattr(text, "num_hidden_layers", 0)),
-        int(getattr(text, "num_experts_per_tok", 0)),
-    )
-
-
 def comm_estimate(
     model: nn.Module,
     ctx: MeshContext,
@@ -163,7 +153,7 @@ def comm_estimate(
         est.fsdp_reduce_scatter = (shard - 1) * shard_total * reduce_bytes
         if replicas > 1:
             est.hsdp_all_reduce = 2 * (replicas - 1) / replicas * shard_total * reduce_bytes
-    hidden, layers, top_k = _model_dims(cp_model or model)
+    hidden, layers, top_k = model_dims(cp_model or model)
     layers = layers if local_layers is None else local_layers
     tokens = recipe.data.micro_batch_size * recipe.data.seq_len
     act_bytes = 2 if recipe.parallel.mixed_precision == "bf16" else 4
@@ -176,82 +166,13 @@ def comm_estimate(
         # an all-gather + a reduce-scatter) without: the same 4 ring passes over the activation.
         est.tp_activations = layers * passes * 4 * per_collective * accum
     if ctx.cp_size > 1:
-        est.cp_attention = _cp_bytes(cp_model or model, ctx, recipe) * layers * accum
+        est.cp_attention = cp_bytes(cp_model or model, ctx, recipe) * layers * accum
     if ctx.ep_size > 1:
         e = ctx.ep_size
         est.ep_all_to_all = (
             layers * passes * 2 * (e - 1) / e * tokens * max(top_k, 1) * hidden * act_bytes * accum
         )
     return est
-
-
-def _cp_kv_bytes(model: nn.Module, ctx: MeshContext, recipe: Recipe) -> tuple[int, int]:
-    """``(bytes of this rank's K+V per layer, bytes per activation element)``."""
-    config = getattr(model, "config", None)
-    text = getattr(config, "text_config", None) or config
-    heads = int(getattr(text, "num_attention_heads", 1))
-    head_dim = int(getattr(text, "head_dim", None) or getattr(text, "hidden_size", 0) // heads)
-    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads) // ctx.tp_size
-    act_bytes = 2 if recipe.parallel.mixed_precision == "bf16" else 4
-    tokens = recipe.data.micro_batch_size * recipe.data.seq_len // ctx.cp_size
-    return 2 * tokens * kv_heads * head_dim * act_bytes, act_bytes
-
-
-def _cp_bytes(model: nn.Module, ctx: MeshContext, recipe: Recipe) -> float:
-    """Bytes one rank sends per layer and micro-batch for cp attention (see docs/cp.md)."""
-    kv, act_bytes = _cp_kv_bytes(model, ctx, recipe)
-    cp, forwards = ctx.cp_size, 2 if ctx.activation_checkpointing else 1
-    variant = cp_attention_choice(model, ctx).variant
-    if variant == "all_to_all":  # Q, O and r repeats of K, V each way: (cp-1)/cp of them, per pass
-        group, repeats = _all_to_all_factors(model, ctx)
-        return float((forwards + 1) * (cp - 1) / cp * kv * (repeats + group))
-    sent = forwards * (cp - 1) * kv + (cp - 1) * kv  # K/V out (forward, recompute) + dK/dV or K/V again
-    if variant == "ring":
-        sent += cp * kv * 4 // act_bytes  # the fp32 dK/dV accumulators go round the ring too
-    return float(sent)
-
-
-def _all_to_all_factors(model: nn.Module, ctx: MeshContext) -> tuple[int, int]:
-    """``(G query heads per KV head, r repeats of each local KV head)`` under ``all_to_all``."""
-    config = getattr(model, "config", None)
-    text = getattr(config, "text_config", None) or config
-    heads = int(getattr(text, "num_attention_heads", 1))
-    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-    return heads // kv_heads, kv_repeats(max(kv_heads // ctx.tp_size, 1), ctx.cp_size)
-
-
-def _cp_text(model: nn.Module, ctx: MeshContext, recipe: Recipe) -> str:
-    cp, seq = ctx.cp_size, recipe.data.seq_len
-    chunk = seq // (2 * cp)
-    kv, act_bytes = _cp_kv_bytes(model, ctx, recipe)
-    choice = cp_attention_choice(model, ctx)
-    variant = choice.variant
-    kept = {"all_gather": kv * cp, "ring": kv, "all_to_all": kv * _all_to_all_factors(model, ctx)[1]}[variant]
-    where = {
-        "all_gather": " (gathered from all cp ranks)",
-        "ring": " (local; re-sent in backward)",
-        "all_to_all": " (every token of 1/cp of the heads)",
-    }[variant]
-    hidden = recipe.data.micro_batch_size * (seq // cp) * _model_dims(model)[0] * act_bytes
-    gathered = cp_gathered_modules(model, ctx)
-    whole = (
-        [
-            f"  run on the whole sequence on every cp rank (cp_sequence_mixers=gather, nothing saved in them): "
-            f"{len(gathered)} modules, {', '.join(gathered[:3])}{', ...' if len(gathered) > 3 else ''}"
-        ]
-        if gathered
-        else []
-    )
-    return "\n".join(
-        [
-            f"context parallel: cp={cp}, cp_attention={variant} ({choice.reason}): each sequence of {seq} "
-            f"tokens in {2 * cp} chunks of {chunk}; cp rank r holds chunks r and {2 * cp - 1}-r = {seq // cp} "
-            "tokens per rank",
-            f"  per rank and layer (micro-batch {recipe.data.micro_batch_size}): hidden state "
-            f"{format_bytes(hidden)}, K/V kept for backward {format_bytes(kept)}{where}",
-            *whole,
-        ]
-    )
 
 
 def _memory_text(model: nn.Module) -> str:
@@ -397,7 +318,7 @@ def plan(recipe: Recipe, world_size: int) -> str:
             _layout_text(model, run.whole_params),
             *([run.stages] if run.stages else []),
             _memory_text(model),
-            *([_cp_text(run.whole or model, ctx, recipe)] if ctx.cp_size > 1 else []),
+            *([cp_text(run.whole or model, ctx, recipe)] if ctx.cp_size > 1 else []),
             comm_estimate(
                 model, ctx, recipe, world_size, cp_model=run.whole, local_layers=run.local_layers
             ).text(batch_assumed(recipe, ctx, world_size)),

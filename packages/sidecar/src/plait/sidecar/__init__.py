@@ -7,8 +7,9 @@ from plait.sidecar.chunked_loss import (
     chunked_loss_sum,
 )
 from plait.sidecar.compile import compile_layers, compile_parallelized_model
+from plait.sidecar.parallel_plan import ParallelPlan
 from plait.sidecar.parallelizer import ModelParallelizer
-from plait.sidecar.plan import ParallelPlan, compile_requested, model_features, plan_parallelism
+from plait.sidecar.plan import compile_requested, model_features, plan_parallelism
 from plait.sidecar.resolution import (
     get_model_parallelizer,
     get_parallel_plan,

@@ -21,7 +21,8 @@ from plait.sharding import (
     fully_shard_untied_embeddings,
 )
 from plait.sidecar.compile import compile_layers
-from plait.sidecar.plan import ParallelPlan, plan_parallelism
+from plait.sidecar.parallel_plan import ParallelPlan
+from plait.sidecar.plan import plan_parallelism
 from plait.strategies import (
     apply_expert_parallel,
     shard_experts,

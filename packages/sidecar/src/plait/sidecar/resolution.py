@@ -12,8 +12,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from plait.mesh import MeshContext, check_ranks_agree, describe_mesh_context, describe_module
+from plait.sidecar.parallel_plan import ParallelPlan
 from plait.sidecar.parallelizer import ModelParallelizer
-from plait.sidecar.plan import ParallelPlan, plan_parallelism
+from plait.sidecar.plan import plan_parallelism
 
 __all__ = ["get_model_parallelizer", "get_parallel_plan", "parallelize_model", "register_model_parallelizer"]
 
