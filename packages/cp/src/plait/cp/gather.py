@@ -104,16 +104,18 @@ class GatheredSequence:
         named = [(f"argument {i}", a) for i, a in enumerate(args)] + list(kwargs.items())
         for key, value in named:
             self._check(module, key, value, shape)
+        mask = self._whole_causal_mask(module, kwargs, shape, hidden.device) if self.causal_mask else None
         new_args = tuple(self._convert(f"argument {i}", a, shape) for i, a in enumerate(args))
         new_kwargs = {k: self._convert(k, v, shape) for k, v in kwargs.items()}
-        if self.causal_mask:
-            new_kwargs["attention_mask"] = self._whole_causal_mask(module, kwargs, shape, hidden.device)
+        if mask is not None:
+            new_kwargs["attention_mask"] = mask
         return new_args, new_kwargs
 
     def _whole_causal_mask(
         self, module: nn.Module, kwargs: dict[str, Any], shape: tuple[int, int], device: torch.device
     ) -> torch.Tensor:
-        """``[B, 1, L, L]`` keys kept (causal): cp attention's models build no mask, a sparse indexer needs one."""
+        """``[B, 1, L, L]`` keys kept (causal, within the module's ``sliding_window`` if it has one): cp
+        attention's models build no mask, a sparse indexer needs one."""
         if "attention_mask" not in kwargs or kwargs["attention_mask"] is not None:
             raise ValueError(
                 f"{self.name} ({type(module).__name__}) runs gathered under cp and needs the causal mask as "
@@ -121,7 +123,11 @@ class GatheredSequence:
                 "set cp_sequence_mixers='refuse'"
             )
         whole = shape[1] * self.cp_size
-        keep = torch.ones(whole, whole, dtype=torch.bool, device=device).tril()
+        offset = torch.arange(whole, device=device)[:, None] - torch.arange(whole, device=device)[None, :]
+        keep = offset >= 0
+        window = getattr(module, "sliding_window", None)
+        if isinstance(window, int):  # transformers' rule: key j is seen by query i when i - j < window
+            keep = keep & (offset < window)
         return keep[None, None].expand(shape[0], 1, whole, whole)
 
     def after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
