@@ -203,13 +203,16 @@ def attach_hf(
             f"{type(model).__name__} refused attn_implementation {ATTN_IMPLEMENTATION!r} "
             f"(kept {model.config._attn_implementation!r}); it cannot run context-parallel attention"
         )
-    missed = [
-        m for m in attention_modules if getattr(m.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION
+    missed = [  # a module without a config reads none: nothing to switch
+        m
+        for m in attention_modules
+        if getattr(m, "config", None) is not None
+        and getattr(m.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION
     ]
     if missed:  # a module holding another config than the model's would run its old attention on chunks
         raise ValueError(
             f"{len(missed)} attention modules of {type(model).__name__} ({type(missed[0]).__name__} first) read "
-            f"a config other than the model's, still {missed[0].config._attn_implementation!r}; cp attention "
+            f"a config other than the model's, still {getattr(missed[0].config, '_attn_implementation', None)!r}; cp attention "
             "cannot reach them: give them the model's config"
         )
 
