@@ -124,6 +124,8 @@ BUILT_BY: dict[frozenset[str], str] = {
     _("compile", "pp"): f"{PP_NEW}[pp_compile]",
     _("dp_replicate", "pp"): f"{PP_NEW}[pp_hsdp]",
     _("cp", "pp"): f"{PP_NEW}[pp_cp]",
+    _("ac_full", "ep", "pp"): f"{PP_NEW}[pp_ep_ac_full]",
+    _("ac_selective", "ep", "pp"): f"{PP_NEW}[pp_ep_ac_selective]",
     # DDP
     _("ddp", "dp_shard"): f"{DDP}[4-False]",
     _("ac_full", "ddp"): f"{DDP}[2-full]",
@@ -143,8 +145,9 @@ BUILT_BY: dict[frozenset[str], str] = {
 
 
 def entries() -> list[frozenset[str]]:
-    """What the table must answer for: every pair, and every triple a rule names."""
+    """What the table must answer for: every pair, and every triple a rule or a parity test names."""
     triples = [rule.items for rule in COMBINATION_RULES if len(rule.items) == 3]
+    triples += [items for items in BUILT_BY if len(items) == 3]
     return [*table_pairs(), *dict.fromkeys(triples)]
 
 

@@ -21,7 +21,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.tensor import DTensor
 
 from plait.mesh import FSDP2Config, MeshContext, ParallelismSizes
-from plait.models import MoEDecoder, MoEDecoderConfig
+from plait.models import MoEDecoder, MoEDecoderConfig, TopKRouter
 from plait.pipeline import Pipeline, PipelineConfig, pipeline_model
 from plait.testing import (
     PIPELINE_VOCAB,
@@ -61,6 +61,8 @@ CASES: dict[str, Case] = {
     "pp_ac_full": Case(4, "dense", ac="full", meshes=("dp_shard",)),  # pp x ac_full
     "pp_ac_selective": Case(4, "dense", ac="selective", meshes=("dp_shard",)),  # pp x ac_selective
     "pp_ep": Case(4, "moe", {"ep_size": 2}, meshes=("ep",)),  # pp x ep (pp 2 x dp_shard 2, ep 2)
+    "pp_ep_ac_full": Case(4, "moe", {"ep_size": 2}, ac="full", meshes=("ep",)),  # pp x ep x ac_full
+    "pp_ep_ac_selective": Case(4, "moe", {"ep_size": 2}, ac="selective", meshes=("ep",)),
     "pp_compile": Case(4, "dense", options={"enable_compile": True}, meshes=("dp_shard",)),  # pp x compile
     # pp x dp_replicate: FSDP2 refuses pure replication (dp_replicate == dp), so HSDP 2 x 2 per stage.
     "pp_hsdp": Case(8, "dense", {"dp_replicate_size": 2}, meshes=("dp_replicate", "dp_shard")),
@@ -88,8 +90,35 @@ def _facts(pipe: Pipeline) -> dict[str, Any]:
     }
 
 
-def _parity(name: str, case: Case) -> tuple[Parity, Margins | None]:
-    """This rank's parity for ``case`` (1F1B, 4 microbatches), and the reference's router margins."""
+def _rebias_routers_in_backward(pipe: Pipeline) -> Pipeline:
+    """Block experts 0 and 2 in each stage's backward, unblock them in its forward.
+
+    A router recomputed in backward (activation checkpointing that does not save routing) would then
+    pick other experts than the forward did, and the gradients would leave the reference's.
+    """
+    for stage in pipe.modules:
+        routers = [m for m in stage.modules() if isinstance(m, TopKRouter)]
+
+        def rebias(bias: float, routers: list[TopKRouter] = routers) -> None:
+            with torch.no_grad():
+                for router in routers:
+                    router.expert_bias[[0, 2]] = bias
+
+        def arm(_module: nn.Module, _args: Any, output: Any) -> None:
+            for tensor in output if isinstance(output, tuple) else (output,):
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(lambda grad: (rebias(-1.0e4), grad)[1])
+
+        stage.register_forward_pre_hook(lambda _module, _args: rebias(0.0))
+        stage.register_forward_hook(arm)
+    return pipe
+
+
+def _parity(name: str, case: Case, rebias: bool = False) -> tuple[Parity, Margins | None]:
+    """This rank's parity for ``case`` (1F1B, 4 microbatches), and the reference's router margins.
+
+    With ``rebias``, each stage's routers are re-biased between its forward and its backward.
+    """
     torch.manual_seed(MOE_SEED if case.model == "moe" else 0)
     reference: nn.Module = MoEDecoder(MOE) if case.model == "moe" else pipeline_decoder("dense", LAYERS)
     ctx = MeshContext.build(
@@ -98,6 +127,8 @@ def _parity(name: str, case: Case) -> tuple[Parity, Margins | None]:
         activation_checkpointing=case.ac,
     )
     pipe = pipeline_model(copy.deepcopy(reference), ctx, lm_loss, PipelineConfig(microbatches=4))
+    if rebias:
+        _rebias_routers_in_backward(pipe)
     # The reference's routers only: a stage's shape inference runs a forward on placeholder inputs.
     margins = record_routing_margins(reference) if case.model == "moe" else None
     dp = ctx.dp_mesh()
@@ -119,3 +150,11 @@ def _parity(name: str, case: Case) -> tuple[Parity, Margins | None]:
 def test_pipeline_combination_matches_reference(name: str) -> None:
     case = CASES[name]
     check_combination_case(name, case, run_on_ranks(_parity, case.world, name, case, timeout=600))
+
+
+@pytest.mark.parametrize("name", ["pp_ep_ac_full", "pp_ep_ac_selective"])
+def test_routing_is_saved_not_recomputed_in_pipeline_stages(name: str) -> None:
+    # Each stage's routers block two experts during its backward only; the gradients still equal the
+    # reference's, so the checkpointed layers reused the forward's routing in their recompute.
+    case = CASES[name]
+    check_combination_case(name, case, run_on_ranks(_parity, case.world, name, case, True, timeout=600))

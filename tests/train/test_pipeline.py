@@ -132,3 +132,28 @@ def test_pipeline_recipe_refusals() -> None:
         recipe = load_recipe(None, [*BASE, "data.micro_batch_size=8", *overrides])
         with pytest.raises(ValueError, match=message):
             check_recipe(recipe, 8, devices=False)
+
+
+MOE_EP = [  # the moe_ep recipe (activation checkpointing on, routing saved) at a 5-step size
+    "data.seq_len=32",
+    "data.micro_batch_size=2",
+    "data.max_bytes=60000",
+    "train.steps=5",
+    "train.val_every=0",
+    "train.val_batches=1",
+    "checkpoint.export=false",
+    "checkpoint.every=0",
+]
+
+
+def test_moe_ep_recipe_at_pp2_matches_its_fsdp_run(tmp_path) -> None:
+    """pp 2 x dp_shard 2 with experts over ep 2, checkpointed layers, against FSDP on 2 ranks."""
+    fsdp = [*MOE_EP, "parallel.ep_size=1"]
+    (reference, _) = run_on_ranks(_train, 2, str(tmp_path / "fsdp"), fsdp, None, "moe_ep")
+    overrides = [*MOE_EP, "parallel.pp_size=2", "parallel.pipeline={schedule: 1f1b, microbatches: 2}"]
+    for rank in run_on_ranks(_train, 4, str(tmp_path / "pp2_ep2"), overrides, None, "moe_ep"):
+        for ref, got in zip(reference[:-1], rank[:-1], strict=True):
+            assert got["loss"] == pytest.approx(ref["loss"], abs=1e-5)
+            assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+        assert rank[-1]["val_loss"] == pytest.approx(reference[-1]["val_loss"], abs=1e-5)
+    assert reference[4]["loss"] < reference[0]["loss"]  # it trained

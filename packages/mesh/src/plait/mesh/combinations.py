@@ -160,16 +160,6 @@ COMBINATION_RULES: tuple[CombinationRule, ...] = (
     ),
     _rule({"ep", "async_tp"}, "the MoE block expects replicated activations", "turn async TP off"),
     _rule(
-        {"pp", "ep", "ac_full"},
-        "MoE routing saved under checkpointing is not built inside pipeline stages yet",
-        "turn activation checkpointing off or set pp_size or ep_size to 1",
-    ),
-    _rule(
-        {"pp", "ep", "ac_selective"},
-        "MoE routing saved under checkpointing is not built inside pipeline stages yet",
-        "turn activation checkpointing off or set pp_size or ep_size to 1",
-    ),
-    _rule(
         {"pp", "sp"},
         "sequence-sharded activations cannot cross pipeline stages yet (torch's pipelining finds no 'tp' "
         "mesh for their DTensor metadata)",

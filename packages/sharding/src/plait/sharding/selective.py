@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 
 def _existing(namespace: Any, names: Iterable[str]) -> frozenset[Any]:
@@ -40,6 +40,31 @@ _COLLECTIVE_OPS: frozenset[Any] = _existing(
 
 _ALWAYS_SAVED = _ATTENTION_OPS | _COLLECTIVE_OPS
 
+_PROFILER_OPS: frozenset[Any] = frozenset(
+    getattr(getattr(torch.ops.profiler, name), overload)
+    for name, overload in (
+        ("_record_function_enter", "default"),
+        ("_record_function_enter_new", "default"),
+        ("_record_function_exit", "_RecordFunction"),
+    )
+    if hasattr(torch.ops.profiler, name)
+)
+"""``record_function`` markers: they carry no values, and FSDP's hooks emit a different number of
+them in a forward and in its recompute."""
+
+
+def _ignore_profiler_ops() -> None:
+    """Keep ``record_function`` markers out of selective checkpointing's saved-op accounting.
+
+    torch >= 2.12 saves every effectful op in a selective region unless the policy says
+    MUST_RECOMPUTE, and replays by per-op index. A nested FSDP unit (experts on the ep_shard mesh)
+    recomputed in backward finds no forward root and emits an extra ``FSDP::root_pre_forward``
+    marker, so the indices stop matching ("invocation index 2 ... not found in storage";
+    pytorch/torchtitan#3427, fix proposed in pytorch/pytorch#185178, not in torch 2.15, the locked
+    version). ``SAC_IGNORED_OPS`` is torch's public set of ops both passes run without accounting.
+    """
+    SAC_IGNORED_OPS.update(_PROFILER_OPS)
+
 
 class ForwardDepth:
     """How deep the running forward (or its recompute) is inside the watched modules.
@@ -66,8 +91,7 @@ def selective_policy(
 ) -> Callable[..., CheckpointPolicy]:
     """Return a fresh op-level policy for ``create_selective_checkpoint_contexts``.
 
-    In order: profiler ops (``record_function`` markers) are recomputed; every op run inside a
-    ``save_inside`` module is saved; then, with ``selective``, the 1st, 3rd, ... matmul of each
+    In order: every op run inside a ``save_inside`` module is saved; then, with ``selective``, the 1st, 3rd, ... matmul of each
     checkpointed call, attention kernels and functional collectives are saved; everything else is
     recomputed. The forward and the recompute keep separate matmul counters, so both walk the same
     sequence and agree on which matmuls were saved (torch versions that consult the policy again
@@ -76,10 +100,6 @@ def selective_policy(
     counters = {"forward": 0, "recompute": 0}
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if getattr(op, "namespace", None) == "profiler":
-            # record_function markers (FSDP's hooks emit them) carry no values and differ in number
-            # between forward and recompute; saving them would misalign the saved-op indices.
-            return CheckpointPolicy.PREFER_RECOMPUTE
         if save_inside is not None and save_inside.depth:
             return CheckpointPolicy.MUST_SAVE
         if not selective:
@@ -105,4 +125,5 @@ def policy_context_fn(
     *, selective: bool, save_inside: ForwardDepth | None = None
 ) -> Callable[[], tuple[Any, Any]]:
     """Return a ``context_fn`` for ``torch.utils.checkpoint`` running :func:`selective_policy`."""
+    _ignore_profiler_ops()
     return partial(_contexts, selective, save_inside)
