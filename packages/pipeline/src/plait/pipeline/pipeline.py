@@ -208,13 +208,18 @@ def _stage_forward_kwargs(module: nn.Module) -> dict[str, Any]:
     """Hugging Face models: no KV cache, tuple outputs (a pipeline stage sends tensors, not ModelOutput).
 
     ``return_dict=False`` goes to the outer forward only (the inner backbone still returns its
-    ModelOutput to it); our reference models take no such argument.
+    ModelOutput to it); our reference models take no such argument. An MoE model's router logits
+    stay inside its stage (a stage sends hidden states only; the schedule's loss reads logits, as the
+    trainer's loss does without pipelining).
     """
     config = getattr(module, "config", None)
     if config is None or not hasattr(config, "return_dict"):
         return {}
     config.use_cache = False
-    return {"return_dict": False}
+    kwargs: dict[str, Any] = {"return_dict": False}
+    if getattr(config, "output_router_logits", False):
+        kwargs["output_router_logits"] = False
+    return kwargs
 
 
 def _device_of(mesh: DeviceMesh) -> torch.device:

@@ -1,6 +1,7 @@
 """Dev-only: multi-rank gloo harness, fake process group, parity driver, test inputs and configs.
 
-The case bodies of :mod:`plait.testing.hf_moe`, :mod:`plait.testing.pipeline_cases` and
+The case bodies of :mod:`plait.testing.hf_moe`, :mod:`plait.testing.pipeline_cases`,
+:mod:`plait.testing.combination_cases` and
 :mod:`plait.testing.cp_cases` need runtime packages plait-testing does not declare (plait-sidecar,
 plait-pipeline, plait-cp): their names are listed here but load on first use, so the package
 imports with its own dependencies alone.
@@ -63,6 +64,13 @@ from plait.testing.sweep import case_row, merge_rows, run_cases
 from plait.testing.tolerances import BF16, FP32, Parity, Tolerances, assert_parity
 
 _LAZY = {
+    "plait.testing.combination_cases": (
+        "COMBINATION_AXES",
+        "COMBINATION_MODELS",
+        "combination_parity",
+        "combination_sizes",
+        "combination_world",
+    ),
     "plait.testing.cp_cases": (
         "CP_SEQ",
         "CP_VOCAB",
@@ -100,6 +108,8 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "ADAMW_LR",
     "BF16",
+    "COMBINATION_AXES",
+    "COMBINATION_MODELS",
     "CP_SEQ",
     "CP_VOCAB",
     "FP32",
@@ -131,6 +141,9 @@ __all__ = [
     "assert_parity",
     "case_row",
     "clean_fqn",
+    "combination_parity",
+    "combination_sizes",
+    "combination_world",
     "cp_decoder",
     "cp_local_inputs",
     "cp_parity",

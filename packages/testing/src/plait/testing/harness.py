@@ -46,7 +46,8 @@ from plait.testing.rank_worker import HOST, IN_WORKER_ENV, PG_TIMEOUT, worker_ma
 
 __all__ = ["RankFailure", "run_on_ranks", "start_forkserver"]
 
-_MAX_WORLD_SIZE = 8
+_MAX_WORLD_SIZE = 16
+"""16 for the tools' widest layouts (tools/combination_matrix.py); the test suite uses up to 8."""
 _MAX_LIVE_WORKERS = 15
 """Worker processes kept alive across pools (1 + 2 + 4 + 8); least recently used pools go first."""
 _STARTUP_TIMEOUT_S = 600.0
@@ -92,7 +93,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     Args:
         fn: a module-level (picklable) function; it runs with the default process group
             initialised, after `torch.manual_seed(0)` and with float32 as the default dtype.
-        world_size: number of ranks, 1 to 8.
+        world_size: number of ranks, 1 to 16.
         *args: picklable arguments passed to `fn` on every rank.
         timeout: seconds the whole call may take before the ranks count as hung.
 

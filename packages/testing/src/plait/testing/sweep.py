@@ -75,7 +75,7 @@ def run_cases(
     Args:
         cases: case name -> the positional arguments of ``body`` (picklable).
         body: a module-level function run on every rank; returns a dict or a dataclass.
-        world_size: ranks per case, 1 to 8.
+        world_size: ranks per case, 1 to 16.
         out: a JSON file of rows, rewritten after each case; rows of cases this call does not run
             (an earlier call, another world size) are kept, a case run again replaces its row.
         timeout: seconds one case may take before its ranks count as hung.
