@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -40,7 +41,8 @@ def _logits_of(trainer: object) -> torch.Tensor:
     return (logits.full_tensor() if hasattr(logits, "full_tensor") else logits).detach()
 
 
-def _train_and_export(run_dir: str) -> tuple[torch.Tensor, str]:
+def _train_and_export(run_dir: str, mesh: tuple[str, ...] = ("parallel.tp_size=2",)) -> tuple[Any, str]:
+    """Train 5 steps and export; the trained logits (None under pp: no single forward) and the summary."""
     import torch.distributed as dist
 
     from plait.mesh import init_distributed
@@ -48,10 +50,12 @@ def _train_and_export(run_dir: str) -> tuple[torch.Tensor, str]:
     from plait.train.setup import check_recipe
     from plait.train.trainer import Trainer
 
-    overrides = [*LLAMA, f"out_dir={run_dir}", "parallel.tp_size=2", "train.steps=5", "checkpoint.every=0"]
+    overrides = [*LLAMA, f"out_dir={run_dir}", *mesh, "train.steps=5", "checkpoint.every=0"]
     recipe = load_recipe(None, overrides)
     trainer = Trainer(recipe, check_recipe(recipe, dist.get_world_size()), init_distributed())
     trainer.fit()
+    if trainer.pipe is not None:
+        return None, trainer._summary()
     with torch.no_grad():
         return _logits_of(trainer), trainer._summary()
 
@@ -92,6 +96,25 @@ def test_an_hf_llama_export_loads_with_from_pretrained_and_as_pretrained_weights
 
     again = run_on_ranks(_load_pretrained, 2, str(tmp_path / "again"), str(export))[0]
     assert float((again - trained).abs().max()) <= 1e-5 * scale
+
+
+def test_a_pipeline_run_exports_the_whole_model(tmp_path: Path):
+    """pp 2 x dp_shard 2: each stage writes its own tensors; from_pretrained gives the pp 1 run's logits."""
+    from transformers import AutoModelForCausalLM
+
+    mesh = ("parallel.tp_size=1", "parallel.pp_size=2")
+    run_on_ranks(_train_and_export, 4, str(tmp_path / "pp2"), mesh)
+    trained, _ = run_on_ranks(_train_and_export, 2, str(tmp_path / "pp1"), ("parallel.tp_size=1",))[0]
+    export = tmp_path / "pp2" / "export"
+    index = json.loads((export / "model.safetensors.index.json").read_text())
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "pp1" / "export"), torch_dtype=torch.float32
+    )
+    assert set(index["weight_map"]) == set(reference.state_dict()) - {"model.rotary_emb.inv_freq"}
+    hf = AutoModelForCausalLM.from_pretrained(str(export), torch_dtype=torch.float32)
+    with torch.no_grad():
+        loaded = hf(_ids()).logits
+    assert float((loaded - trained).abs().max()) <= 1e-5 * float(trained.abs().max())
 
 
 def test_pretrained_weights_of_another_shape_are_refused(tmp_path: Path):

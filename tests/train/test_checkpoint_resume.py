@@ -1,6 +1,6 @@
 """Resume anywhere: a checkpoint of dp_shard=2 x tp=2 continues at dp_shard=4, on 2 ranks and on 1.
 
-HSDP, expert-parallel and pp 2 x cp 2 checkpoints resume at other meshes too.
+HSDP, expert-parallel, pp 2 x cp 2, pp 2 x ep 2 and tp 2 x cp 2 checkpoints resume at other meshes too.
 
 The global batch stays 4 sequences (micro-batch x dp x accumulation), so an uninterrupted run at
 the new mesh is the reference: its losses after the resume step and the samples of every step
@@ -79,11 +79,33 @@ PP_CP_TO_FSDP = (
 )
 """Two stages, each context-parallel over 2 ranks, to dp_shard 4: the same 4 sequences a step."""
 
+PP_EP_TO_ONE_STAGE = (
+    4,
+    [
+        "model.source=moe",
+        "parallel.pp_size=2",
+        "parallel.ep_size=2",
+        "parallel.tp_size=1",
+        "data.micro_batch_size=2",
+    ],
+    2,
+    ["model.source=moe", "parallel.tp_size=1", "data.micro_batch_size=2"],
+)
+"""The MoE model in two stages with experts over ep 2 (dp_shard 2), to plain FSDP on 2 ranks."""
+
+TP_CP_TO_PP = (
+    4,
+    ["parallel.tp_size=2", "parallel.cp_size=2", "data.micro_batch_size=4"],
+    2,
+    ["parallel.pp_size=2", "parallel.tp_size=1", "data.micro_batch_size=4"],
+)
+"""tp 2 x cp 2 (one replica) to two pipeline stages: 4 sequences a step on both."""
+
 
 @pytest.mark.parametrize(
     ("saved_world", "saved_at", "world", "resumed_at"),
-    [HSDP_TO_FSDP, EP_TO_ONE, PP_CP_TO_FSDP],
-    ids=["hsdp", "ep", "pp2 x cp2"],
+    [HSDP_TO_FSDP, EP_TO_ONE, PP_CP_TO_FSDP, PP_EP_TO_ONE_STAGE, TP_CP_TO_PP],
+    ids=["hsdp", "ep", "pp2 x cp2", "pp2 x ep2", "tp2 x cp2"],
 )
 def test_hsdp_and_expert_parallel_checkpoints_resume_elsewhere(
     saved_world: int, saved_at: list[str], world: int, resumed_at: list[str], tmp_path: Path

@@ -51,11 +51,15 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def file_index(state: dict[str, Any], max_file_bytes: int) -> dict[str, int]:
+Specs = dict[str, tuple[list[int], torch.dtype]]
+"""Tensor name -> (global shape, dtype)."""
+
+
+def file_index(specs: Specs, max_file_bytes: int) -> dict[str, int]:
     """Tensor name -> output file (1..N): names in order, a new file when one would pass ``max_file_bytes``."""
     index, used, mapping = 1, 0, {}
-    for key, value in state.items():
-        size = math.prod(value.shape) * value.element_size()
+    for key, (shape, dtype) in specs.items():
+        size = math.prod(shape) * dtype.itemsize
         if used and used + size > max_file_bytes:
             index, used = index + 1, 0
         mapping[key] = index
@@ -77,6 +81,20 @@ def _write_config(model: nn.Module, directory: Path, model_cfg: ModelConfig | No
         (directory / PLAIT_CONFIG_FILE).write_text(json.dumps(to_dict(model_cfg), indent=1))
 
 
+def _global_specs(state: dict[str, torch.Tensor]) -> Specs:
+    """Every rank's tensors (a pipeline rank holds only its stages'), in rank order, first seen first."""
+    local = [(k, list(v.shape), v.dtype) for k, v in state.items()]
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {k: (shape, dtype) for k, shape, dtype in local}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    specs: Specs = {}
+    for rank_specs in gathered:
+        for k, shape, dtype in rank_specs:
+            specs.setdefault(k, (shape, dtype))
+    return specs
+
+
 def export_model(
     model: nn.Module,
     directory: str | Path,
@@ -84,31 +102,35 @@ def export_model(
     *,
     max_file_bytes: int = _DEFAULT_FILE_BYTES,
     write_chunk_bytes: int = _DEFAULT_WRITE_BYTES,
+    config_model: nn.Module | None = None,
 ) -> Path:
     """Write ``model``'s weights to ``directory`` in the Hugging Face layout (all ranks call this).
 
     Args:
-        model: the parallelized (or plain) model.
+        model: the parallelized (or plain) model; under pipeline parallel, the local stages' state
+            module (``Pipeline.state_module()``): each rank writes its stages' shards.
         directory: the export directory; replaced when it exists.
         model_cfg: the recipe's model section (``plait_model.json`` for reference models); None =
             ``config.json`` only, when the model has a ``transformers`` config.
         max_file_bytes: the size at which a new ``model-*.safetensors`` file starts.
         write_chunk_bytes: the shard files of the first stage group about this many (global)
             bytes; a rank serializes one such file at a time, so this bounds its extra memory.
+        config_model: the module whose ``transformers`` config becomes ``config.json`` (default
+            ``model``; under pipeline parallel a stage, which shares the whole model's config).
     """
     final = Path(directory)
     tmp = final.with_name(f".tmp-{final.name}")
     sharded = tmp / "sharded"
     state = {k: v.detach() for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor)}
-    mapping = file_index(state, max_file_bytes)
+    specs = _global_specs(state)
+    mapping = file_index(specs, max_file_bytes)
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         sharded.mkdir(parents=True)
     _barrier()
-    chunks = file_index(state, write_chunk_bytes)
+    chunks = file_index(specs, write_chunk_bytes)
     writer = HuggingFaceStorageWriter(str(sharded), fqn_to_index_mapping=chunks, save_distributed=True)
     dcp.save(state, storage_writer=writer)
-    specs = {k: (list(v.shape), v.dtype) for k, v in state.items()}
     del state
     world = dist.get_world_size() if dist.is_initialized() else 1
     assemble(sharded, tmp, specs, mapping, _rank(), world)
@@ -116,7 +138,7 @@ def export_model(
     if _rank() == 0:
         shutil.rmtree(sharded)
         write_index(tmp, specs, mapping)
-        _write_config(model, tmp, model_cfg)
+        _write_config(model if config_model is None else config_model, tmp, model_cfg)
         for name in os.listdir(tmp):
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())

@@ -48,11 +48,6 @@ def check_pipeline_recipe(recipe: Recipe) -> None:
     if config is None:
         return
     p = recipe.parallel
-    if recipe.checkpoint.export:
-        raise ValueError(
-            "checkpoint.export with parallel.pp_size > 1 is not supported (each stage holds part of the "
-            "model); set checkpoint.export: false and load the DCP checkpoint (full-model keys) instead"
-        )
     config.check_for(p.pp_size)
     m = config.num_microbatches(p.pp_size)
     if recipe.data.micro_batch_size % m:

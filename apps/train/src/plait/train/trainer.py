@@ -319,7 +319,8 @@ class Trainer:
             self.save()
         self.checkpointer.wait()
         if ckpt.export:
-            path = export_model(self.model, self.run_dir / "export", self.recipe.model)
+            stage = self.pipe.modules[0] if self.pipe is not None else None
+            path = export_model(self.model, self.run_dir / "export", self.recipe.model, config_model=stage)
             self.logger.event("export", path=str(path))
         self.logger.close()
 
