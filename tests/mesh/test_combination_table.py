@@ -103,6 +103,7 @@ BUILT_BY: dict[frozenset[str], str] = {
     _("ac_selective", "ep"): f"{NEW}[ep_ac_selective]",
     _("dp_replicate", "ep"): f"{NEW}[hsdp_ep]",
     _("cp", "ep"): f"{NEW}[cp_ep]",
+    _("ep", "sp"): f"{NEW}[ep_sp]",
     # per-layer compile (tools/test runs compile_tp_sp_ac_selective; the other compiled cases are marked
     # slow, for tools/slow_tests: inductor's build time)
     _("compile", "fsdp2"): f"{COMPILED}[compile_tp_sp_ac_selective]",

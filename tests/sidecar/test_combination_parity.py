@@ -86,6 +86,9 @@ CASES: dict[str, Case] = {
         ("dp_shard_cp", "ep"),
         seed=5,
     ),
+    # ep x sp: the MoE block runs whole on the gathered sequence (SequenceParallelBlock), its experts
+    # expert-parallel over dp_shard x tp; with full AC the routing is saved
+    "ep_sp": Case(4, "moe", {"ep_size": 2, "tp_size": 2}, {"sequence_parallel": True}, "full", ("ep", "tp")),
     # dp_replicate x tp, dp_replicate x sp, dp_replicate x cp: FSDP2 refuses pure replication
     # (dp_replicate == dp), so these need dp_shard 2 as well: 8 ranks.
     "hsdp_tp_sp": Case(

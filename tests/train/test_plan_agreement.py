@@ -31,7 +31,6 @@ REFUSED: list[tuple[str, list[str]]] = [
     ("hsdp", ["parallel.tp_size=4", "parallel.dp_replicate_size=1", "model.arch.num_key_value_heads=2"]),
     ("ddp", ["parallel.tp_size=2"]),
     ("ddp", ["parallel.compile=true"]),
-    ("moe_ep", ["parallel.tp_size=2", "parallel.sequence_parallel=true"]),
     (
         "dense_fsdp2",
         ["parallel.pp_size=2", "parallel.tp_size=2", "parallel.sequence_parallel=true"],
@@ -45,8 +44,12 @@ REFUSED: list[tuple[str, list[str]]] = [
     ("dense_fsdp2", ["parallel.cp_size=2", "data.seq_len=30"]),
     ("hsdp", ["parallel.dp_replicate_size=3"]),
 ]
-BUILT: list[tuple[str, list[str]]] = [("moe_ep", ["parallel.pp_size=2"])]
-"""Layouts beyond the shipped recipes (pp 2 x ep 2 with activation checkpointing, routing saved)."""
+BUILT: list[tuple[str, list[str]]] = [
+    ("moe_ep", ["parallel.pp_size=2"]),
+    ("moe_ep", ["parallel.tp_size=2", "parallel.sequence_parallel=true"]),
+]
+"""Layouts beyond the shipped recipes: pp 2 x ep 2 with activation checkpointing (routing saved);
+ep 2 with sequence parallel (the MoE blocks run whole on the gathered sequence)."""
 CASES = [(name, []) for name in SHIPPED] + BUILT + REFUSED
 
 

@@ -154,11 +154,10 @@ COMBINATION_RULES: tuple[CombinationRule, ...] = (
         "use FSDP2Config or turn compile off",
     ),
     _rule(
-        {"ep", "sp"},
-        "the MoE block expects replicated activations, sequence parallel shards them",
-        "set sequence_parallel to False",
+        {"ep", "async_tp"},
+        "no parity run of it exists yet (async TP needs >= 2 CUDA GPUs, none was lent)",
+        "turn async TP off",
     ),
-    _rule({"ep", "async_tp"}, "the MoE block expects replicated activations", "turn async TP off"),
     _rule(
         {"pp", "sp"},
         "sequence-sharded activations cannot cross pipeline stages yet (torch's pipelining finds no 'tp' "

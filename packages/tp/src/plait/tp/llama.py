@@ -19,6 +19,7 @@ from plait.tp.sequence import (
     GatherSequenceInput,
     RotaryEmbeddingParallel,
     SequenceParallelAllGather,
+    SequenceParallelBlock,
     SequenceParallelNorm,
 )
 from plait.tp.styles import loss_parallel_head
@@ -64,6 +65,9 @@ def llama_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Parall
     return plan
 
 
+_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
 def _layer_plan(layer: nn.Module, layers: str, sp: bool) -> dict[str, ParallelStyle]:
     """The entries under ``layers`` (``"<prefix>layers.*."``) for the children ``layer`` has."""
     plan: dict[str, ParallelStyle] = {}
@@ -78,6 +82,9 @@ def _layer_plan(layer: nn.Module, layers: str, sp: bool) -> dict[str, ParallelSt
         for block in ("self_attn", "mlp"):
             if isinstance(getattr(layer, block, None), nn.Module):
                 plan[layers + block] = GatherSequenceInput()
+        if isinstance(mlp, nn.Module) and not any(hasattr(mlp, n) for n in _MLP_PROJECTIONS):
+            # an MoE block (router, grouped experts): it runs whole, on the gathered sequence
+            plan[layers + "mlp"] = SequenceParallelBlock()
     for name in ("q_proj", "k_proj", "v_proj"):
         if hasattr(attn, name):
             plan[f"{layers}self_attn.{name}"] = ColwiseParallel()
@@ -86,7 +93,7 @@ def _layer_plan(layer: nn.Module, layers: str, sp: bool) -> dict[str, ParallelSt
     for name in ("q_norm", "k_norm"):
         if hasattr(attn, name):
             plan[f"{layers}self_attn.{name}"] = ReplicatedWithGradAllReduce()
-    for name in ("gate_proj", "up_proj"):
+    for name in _MLP_PROJECTIONS[:2]:
         if hasattr(mlp, name):
             plan[f"{layers}mlp.{name}"] = ColwiseParallel()
     if hasattr(mlp, "down_proj"):
