@@ -125,6 +125,7 @@ BUILT_BY: dict[frozenset[str], str] = {
     _("compile", "pp"): f"{PP_NEW}[pp_compile]",
     _("dp_replicate", "pp"): f"{PP_NEW}[pp_hsdp]",
     _("cp", "pp"): f"{PP_NEW}[pp_cp]",
+    _("pp", "sp"): f"{PP_NEW}[pp_sp]",
     _("ac_full", "ep", "pp"): f"{PP_NEW}[pp_ep_ac_full]",
     _("ac_selective", "ep", "pp"): f"{PP_NEW}[pp_ep_ac_selective]",
     # DDP

@@ -66,6 +66,8 @@ CASES: dict[str, Case] = {
     "pp_compile": Case(4, "dense", options={"enable_compile": True}, meshes=("dp_shard",)),  # pp x compile
     # pp x dp_replicate: FSDP2 refuses pure replication (dp_replicate == dp), so HSDP 2 x 2 per stage.
     "pp_hsdp": Case(8, "dense", {"dp_replicate_size": 2}, meshes=("dp_replicate", "dp_shard")),
+    # pp x sp: Shard(1) activations cross the stages as DTensors (the stages find the tp mesh by name)
+    "pp_sp": Case(4, "dense", {"tp_size": 2}, {"sequence_parallel": True}, meshes=("tp",)),
     # pp x cp: each stage's attention is context-parallel; position_ids reach every stage with the batch
     "pp_cp": Case(4, "dense", {"cp_size": 2}, meshes=("dp_shard_cp",)),
 }

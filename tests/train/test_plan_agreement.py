@@ -31,10 +31,6 @@ REFUSED: list[tuple[str, list[str]]] = [
     ("hsdp", ["parallel.tp_size=4", "parallel.dp_replicate_size=1", "model.arch.num_key_value_heads=2"]),
     ("ddp", ["parallel.tp_size=2"]),
     ("ddp", ["parallel.compile=true"]),
-    (
-        "dense_fsdp2",
-        ["parallel.pp_size=2", "parallel.tp_size=2", "parallel.sequence_parallel=true"],
-    ),
     ("ddp", ["parallel.cp_size=2"]),
     ("vlm_frozen_tower", ["parallel.cp_size=2"]),
     ("dense_fsdp2", ["parallel.ep_size=2"]),
@@ -47,9 +43,11 @@ REFUSED: list[tuple[str, list[str]]] = [
 BUILT: list[tuple[str, list[str]]] = [
     ("moe_ep", ["parallel.pp_size=2"]),
     ("moe_ep", ["parallel.tp_size=2", "parallel.sequence_parallel=true"]),
+    ("dense_fsdp2", ["parallel.pp_size=2", "parallel.tp_size=2", "parallel.sequence_parallel=true"]),
 ]
 """Layouts beyond the shipped recipes: pp 2 x ep 2 with activation checkpointing (routing saved);
-ep 2 with sequence parallel (the MoE blocks run whole on the gathered sequence)."""
+ep 2 with sequence parallel (the MoE blocks run whole on the gathered sequence); pp 2 x tp 2 with
+sequence parallel (Shard(1) activations cross the stages)."""
 CASES = [(name, []) for name in SHIPPED] + BUILT + REFUSED
 
 

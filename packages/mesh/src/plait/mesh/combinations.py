@@ -158,12 +158,6 @@ COMBINATION_RULES: tuple[CombinationRule, ...] = (
         "no parity run of it exists yet (async TP needs >= 2 CUDA GPUs, none was lent)",
         "turn async TP off",
     ),
-    _rule(
-        {"pp", "sp"},
-        "sequence-sharded activations cannot cross pipeline stages yet (torch's pipelining finds no 'tp' "
-        "mesh for their DTensor metadata)",
-        "set sequence_parallel to False or pp_size to 1",
-    ),
     _rule({"pp", "multimodal"}, "pipeline stages split decoders only", "set pp_size to 1"),
     _rule({"cp", "multimodal"}, "media tokens are not sequence-sharded", "set cp_size to 1"),
     *_FLOAT8_RULES,

@@ -268,8 +268,9 @@ def pipeline_model(
     built = [build_stage_module(model, parts, specs[index], num_stages) for index in indices]
     forward_kwargs = _stage_forward_kwargs(model)
     modules = _parallelize_stages(built, whole, mesh_context, pp_mesh)  # first collective
+    get_mesh = _mesh_lookup(mesh_context)
     stages = [
-        PipelineStage(module, index, num_stages, device, group=pp_mesh.get_group())
+        PipelineStage(module, index, num_stages, device, group=pp_mesh.get_group(), get_mesh=get_mesh)
         for module, index in zip(modules, indices, strict=True)
     ]
     schedule = build_schedule(
@@ -287,6 +288,24 @@ def pipeline_model(
         forward_kwargs,
         union,
     )
+
+
+def _mesh_lookup(mesh_context: MeshContext) -> Callable[[tuple[str, ...], Any], DeviceMesh | None]:
+    """The mesh of a DTensor a stage receives, by its dim names (sequence parallel: ``Shard(1)`` on ``tp``).
+
+    Every pp rank slices its meshes from the same world mesh, so the sending stage's ``tp`` mesh has
+    the receiving rank's counterpart under the same name.
+    """
+
+    def get_mesh(mesh_dim_names: tuple[str, ...], _layout: Any) -> DeviceMesh | None:
+        world = mesh_context.device_mesh
+        assert world is not None
+        try:
+            return world[tuple(mesh_dim_names)]
+        except (KeyError, RuntimeError, ValueError):
+            return None
+
+    return get_mesh
 
 
 def _parallelize_stages(
