@@ -48,9 +48,11 @@ COMBINATION_MODELS = ("dense", "moe", "llama", "qwen3_moe")
 
 _VOCAB = 64
 _MOE = MoEDecoderConfig(vocab_size=_VOCAB, num_hidden_layers=2, num_experts=4)
-_MOE_SEED = 37
-_QWEN3_MOE_SEED = 22
-"""Init seeds whose reference keeps a >= 1.1e-3 relative top-k margin on the 4-replica batches."""
+_MOE_SEED = 59
+_QWEN3_MOE_SEED = 32
+"""Init seeds of the widest top-k margins found (60 and 40 seeds scanned over the driver's 6 steps at
+1, 2 and 4 replicas): 1.03e-3 and 7.4e-4 relative. A row whose margin falls below ``MIN_MARGIN``
+says so (``margin_ok``); float32 rounding differs between CPUs by ~1e-6 relative."""
 _ROWS = 2
 """Rows per data-parallel replica and step (a pipeline splits them into 2 microbatches)."""
 
