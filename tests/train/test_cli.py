@@ -275,3 +275,32 @@ def test_plan_deepseek_v3_on_16384_ranks(capsys: pytest.CaptureFixture[str]):
     )
     assert "context parallel: cp=2" in out and "ep_all_to_all" in out and "  cp_attention: " in out
     assert float(re.search(r"planned in ([\d.]+) s", out).group(1)) < 60
+
+
+def test_plan_the_4d_dense_and_5d_moe_recipes_on_16_ranks(capsys: pytest.CaptureFixture[str]):
+    """The tiny multi-axis recipes lay out on 16 ranks (they also run here, on 16 local processes)."""
+    assert main(["plan", "--recipe", "dense_4d", "--world-size", "16"]) == 0
+    dense = capsys.readouterr().out
+    assert "mesh pp=2 x dp_replicate=1 x dp_shard=2 x cp=2 x tp=2" in dense and "sp=on ac=full" in dense
+    assert main(["plan", "--recipe", "moe_5d", "--world-size", "16"]) == 0
+    moe = capsys.readouterr().out
+    assert "mesh pp=2 x dp_replicate=1 x dp_shard=2 x cp=2 x tp=2 | moe mesh ep_shard=4 x ep=2" in moe
+    assert "context parallel: cp=2" in moe and "ep_all_to_all" in moe
+
+
+def test_plan_the_4d_dense_recipe_at_the_llama3_70b_shape(capsys: pytest.CaptureFixture[str]):
+    sets = [
+        "model.preset=llama3-70b",
+        "parallel.pp_size=4",
+        "parallel.tp_size=8",
+        "parallel.pipeline={schedule: 1f1b, microbatches: 4}",
+        "data.seq_len=16384",
+        "data.micro_batch_size=4",
+    ]
+    args = ["plan", "--recipe", "dense_4d", "--world-size", "1024", *(x for s in sets for x in ("--set", s))]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "mesh pp=4 x dp_replicate=1 x dp_shard=16 x cp=2 x tp=8" in out
+    assert "parameters: 70,553,706,496 total" in out
+    assert len(re.findall(r"^  stage \d+ \(pp rank \d+\): layers .* per rank$", out, re.M)) == 4
+    assert float(re.search(r"planned in ([\d.]+) s", out).group(1)) < 60
