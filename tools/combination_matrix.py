@@ -78,6 +78,14 @@ def name_of(model: str, axes: tuple[str, ...], ac: str | bool) -> str:
     return f"{model} {' x '.join(axes)}{' ac=' + ac if ac else ''}"
 
 
+def _status(row: dict) -> str:
+    if row.get("refused"):
+        return "refused"
+    if not row.get("ok"):
+        return "**FAIL**"
+    return "pass" if row.get("margin_ok", True) else "pass (thin margin)"
+
+
 def report(rows: list[dict]) -> str:
     """The markdown table of the rows (one line per case)."""
     lines = [
@@ -85,15 +93,39 @@ def report(rows: list[dict]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        if row.get("refused"):
-            result = f"refused: {row['refused'][:120]}"
-        elif row.get("ok"):
-            result = "pass" if row.get("margin_ok", True) else "pass (thin router margin)"
-        else:
-            result = f"FAIL: {str(row.get('why') or row.get('error'))[:120]}"
+        why = row.get("refused") or row.get("why") or row.get("error")
+        result = _status(row) + (f": {str(why)[:120]}" if why and _status(row) != "pass" else "")
         nums = [row.get(k) for k in ("loss_diff", "grad_diff", "param_diff", "margin")]
         cells = ["" if v is None else f"{v:.1e}" for v in nums]
         lines.append(f"| {row['case']} | {row['world']} | {result} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+COLUMNS = (
+    ("dense", ""),
+    ("moe", ""),
+    ("moe", " ac=full"),
+    ("llama", ""),
+    ("qwen3_moe", ""),
+    ("qwen3_moe", " ac=full"),
+)
+
+
+def pivot(rows: list[dict]) -> str:
+    """One line per layout, one column per model (and AC mode): pass / refused / FAIL, or blank (not run)."""
+    by_case = {r["case"]: r for r in rows}
+    layouts: dict[str, int] = {}
+    for row in rows:
+        rest = row["case"].partition(" ")[2]
+        layouts.setdefault(rest.removesuffix(" ac=full"), row["world"])
+    head = "| layout | ranks | " + " | ".join(f"{m}{ac}" for m, ac in COLUMNS) + " |"
+    lines = [head, "|---|---|" + "---|" * len(COLUMNS)]
+    for layout, world in sorted(layouts.items(), key=lambda kv: (kv[1], kv[0].count(" x "), kv[0])):
+        cells = [
+            _status(by_case[f"{m} {layout}{ac}"]) if f"{m} {layout}{ac}" in by_case else ""
+            for m, ac in COLUMNS
+        ]
+        lines.append(f"| {layout} | {world} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -125,8 +157,8 @@ def main() -> None:
             json.dumps([r for r in kept if r["case"] not in names] + refused, indent=1) + "\n"
         )
     rows = sorted(json.loads(opts.out.read_text()), key=lambda r: (r["world"], r["case"]))
-    (opts.out.parent / "matrix.md").write_text(report(rows) + "\n")
-    print(report(rows))
+    (opts.out.parent / "matrix.md").write_text(pivot(rows) + "\n\n" + report(rows) + "\n")
+    print(pivot(rows))
     sys.exit(0 if all(r.get("ok") for r in rows) else 1)
 
 
