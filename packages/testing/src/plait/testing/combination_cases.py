@@ -81,16 +81,16 @@ def combination_world(axes: Iterable[str]) -> int:
     return sizes["pp_size"] * sizes["dp_size"] * sizes["cp_size"] * sizes["tp_size"]
 
 
-def _build(model: str, layers: int) -> nn.Module:
+def _build(model: str, layers: int, seed: int | None = None) -> nn.Module:
     if model == "dense":
         return DenseDecoder(DecoderConfig(vocab_size=_VOCAB, num_hidden_layers=layers))
     if model == "moe":
-        torch.manual_seed(_MOE_SEED)
+        torch.manual_seed(_MOE_SEED if seed is None else seed)
         return MoEDecoder(_MOE)
     if model == "llama":
         return tiny_hf_model("llama", seed=None, vocab_size=_VOCAB, num_hidden_layers=layers)
     if model == "qwen3_moe":
-        return hf_moe_model("qwen3_moe", seed=_QWEN3_MOE_SEED)
+        return hf_moe_model("qwen3_moe", seed=_QWEN3_MOE_SEED if seed is None else seed)
     raise ValueError(f"unknown model {model!r}; use one of {COMBINATION_MODELS}")
 
 
@@ -116,12 +116,12 @@ def _inspect_pipeline(_reference: nn.Module, pipe: Pipeline) -> dict[str, Any]:
 
 
 def _pipelined(
-    model: str, ctx: MeshContext
+    model: str, ctx: MeshContext, seed: int | None
 ) -> tuple[Callable[[], tuple[nn.Module, Pipeline]], Margins | None, Any]:
     """The reference and its pipeline (1F1B, 2 microbatches); the margins are the reference's only,
     recorded after the copy (a stage's shape inference runs a forward on placeholder inputs)."""
     torch.manual_seed(0)
-    reference = _build(model, 4)
+    reference = _build(model, 4, seed)
     pipe = pipeline_model(copy.deepcopy(reference), ctx, lm_loss, PipelineConfig(microbatches=_ROWS))
     margins = record_routing_margins(reference) if "moe" in model else None
     return (lambda: (reference, pipe)), margins, _inspect_pipeline
@@ -133,8 +133,13 @@ def _pipeline_step(pipe: Pipeline, batch: Inputs) -> torch.Tensor:
     return pipe.step(kwargs["input_ids"], labels, **rest)
 
 
-def combination_parity(model: str, axes: tuple[str, ...], ac: str | bool = False) -> dict[str, Any]:
+def combination_parity(
+    model: str, axes: tuple[str, ...], ac: str | bool = False, seed: int | None = None
+) -> dict[str, Any]:
     """This rank's row for ``model`` on the layout ``axes`` with activation checkpointing ``ac``.
+
+    ``seed``: a MoE model's init seed instead of the matrix's (one with a wider router margin on
+    this layout's batches).
 
     The row holds the driver's measurements and ``ok`` (fp32 tolerances), the reference's smallest
     router margin for a MoE model (``margin_ok``: no top-k near-tie another CPU's rounding could flip),
@@ -155,11 +160,11 @@ def combination_parity(model: str, axes: tuple[str, ...], ac: str | bool = False
         "local_inputs": cp_local_inputs(ctx, local_seq) if ctx.cp_size > 1 else None,
     }
     if ctx.pp_size > 1:
-        models, margins, inspect = _pipelined(model, ctx)
+        models, margins, inspect = _pipelined(model, ctx, seed)
         kwargs |= {"parallel_step": _pipeline_step, "subset": True}
     else:
         margins = Margins() if "moe" in model else None
-        models = paired(lambda: _build(model, 4), lambda m: parallelize_model(m, ctx))
+        models = paired(lambda: _build(model, 4, seed), lambda m: parallelize_model(m, ctx))
         if margins is not None:
             kwargs["prepare_reference"] = partial(record_routing_margins, margins=margins)
         inspect = _inspect_model
