@@ -154,7 +154,10 @@ def test_pipeline_combination_matches_reference(name: str) -> None:
     check_combination_case(name, case, run_on_ranks(_parity, case.world, name, case, timeout=600))
 
 
-@pytest.mark.parametrize("name", ["pp_ep_ac_full", "pp_ep_ac_selective"])
+# selective: the same saving path (tools/slow_tests)
+@pytest.mark.parametrize(
+    "name", ["pp_ep_ac_full", pytest.param("pp_ep_ac_selective", marks=pytest.mark.slow)]
+)
 def test_routing_is_saved_not_recomputed_in_pipeline_stages(name: str) -> None:
     # Each stage's routers block two experts during its backward only; the gradients still equal the
     # reference's, so the checkpointed layers reused the forward's routing in their recompute.

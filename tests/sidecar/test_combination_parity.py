@@ -87,8 +87,11 @@ CASES: dict[str, Case] = {
         seed=5,
     ),
     # ep x sp: the MoE block runs whole on the gathered sequence (SequenceParallelBlock), its experts
-    # expert-parallel over dp_shard x tp; with full AC the routing is saved
-    "ep_sp": Case(4, "moe", {"ep_size": 2, "tp_size": 2}, {"sequence_parallel": True}, "full", ("ep", "tp")),
+    # expert-parallel over dp_shard x tp; with full AC the routing is saved (2 data-parallel rows a
+    # batch, as cp_ep: seed 5)
+    "ep_sp": Case(
+        4, "moe", {"ep_size": 2, "tp_size": 2}, {"sequence_parallel": True}, "full", ("ep", "tp"), seed=5
+    ),
     # dp_replicate x tp, dp_replicate x sp, dp_replicate x cp: FSDP2 refuses pure replication
     # (dp_replicate == dp), so these need dp_shard 2 as well: 8 ranks.
     "hsdp_tp_sp": Case(

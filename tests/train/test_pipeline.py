@@ -124,7 +124,6 @@ def test_pipeline_recipe_refusals() -> None:
 
     for overrides, message in (
         (["parallel.pipeline={schedule: gpipe}"], "pp_size is 1"),
-        ([*PP, "checkpoint.export=true"], "checkpoint.export"),
         ([*PP, "data.micro_batch_size=3"], "does not split into"),
         (["parallel.pp_size=2", "parallel.pipeline={schedul: gpipe}"], "unknown pipeline option"),
         (["parallel.pp_size=8", "parallel.pipeline={schedule: 1f1b, microbatches: 8}"], "8 pipeline stages"),
