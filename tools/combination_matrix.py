@@ -5,8 +5,8 @@ unsharded reference (``plait.testing.combination_parity``: loss and every gradie
 parameters after 2 SGD steps, AdamW losses; fp32) on gloo ranks, and prints one JSON line. A layout
 the combination table refuses (``plait.mesh.combinations``) is reported as ``refused`` with its line,
 not run. Models: plait's dense decoder (layouts without ep), plait's MoE decoder (every layout,
-activation checkpointing off and full), transformers' Llama and Qwen3-MoE (the pairs; Qwen3-MoE with
-AC off and full). ``--sixteen`` adds pp2 x dp_shard2 x cp2 x tp2 with ep2 over dp_shard x cp on 16
+activation checkpointing off and full), transformers' Llama, Mistral (sliding window) and Qwen3-MoE
+(the pairs; Qwen3-MoE with AC off and full). ``--sixteen`` adds pp2 x dp_shard2 x cp2 x tp2 with ep2 over dp_shard x cp on 16
 ranks (the MoE decoder).
 
     uv run python tools/combination_matrix.py                      # all of it (about 40 min on 2 cores)
@@ -25,6 +25,7 @@ from pathlib import Path
 from plait.mesh import FSDP2Config, ParallelismSizes, combination_request, refusal_of
 from plait.testing import (
     COMBINATION_AXES,
+    COMBINATION_MODELS,
     combination_parity,
     combination_sizes,
     combination_world,
@@ -57,8 +58,9 @@ def cases(
             out.append(("dense", axes, False))
         if "moe" in models:
             out += [("moe", axes, False), ("moe", axes, "full")]
-        if "llama" in models and pair and "ep" not in axes:
-            out.append(("llama", axes, False))
+        for dense_hf in ("llama", "mistral"):
+            if dense_hf in models and pair and "ep" not in axes:
+                out.append((dense_hf, axes, False))
         if "qwen3_moe" in models and pair:
             out += [("qwen3_moe", axes, False), ("qwen3_moe", axes, "full")]
     if sixteen and "moe" in models:
@@ -106,6 +108,7 @@ COLUMNS = (
     ("moe", ""),
     ("moe", " ac=full"),
     ("llama", ""),
+    ("mistral", ""),
     ("qwen3_moe", ""),
     ("qwen3_moe", " ac=full"),
 )
@@ -131,7 +134,7 @@ def pivot(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="*", default=["dense", "moe", "llama", "qwen3_moe"])
+    parser.add_argument("--models", nargs="*", default=list(COMBINATION_MODELS))
     parser.add_argument("--max-axes", type=int, default=3)
     parser.add_argument("--max-world", type=int, default=8)
     parser.add_argument("--sixteen", action="store_true", help="add the 5-D MoE layout on 16 ranks")

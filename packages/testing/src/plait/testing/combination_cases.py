@@ -43,8 +43,9 @@ __all__ = [
 ]
 
 COMBINATION_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "sp", "ep")
-COMBINATION_MODELS = ("dense", "moe", "llama", "qwen3_moe")
-"""plait.models' dense and MoE decoders, transformers' Llama and Qwen3-MoE (unmodified classes)."""
+COMBINATION_MODELS = ("dense", "moe", "llama", "mistral", "qwen3_moe")
+"""plait.models' dense and MoE decoders, transformers' Llama, Mistral (a 5-token sliding window over
+8-token sequences) and Qwen3-MoE (unmodified classes)."""
 
 _VOCAB = 64
 _MOE = MoEDecoderConfig(vocab_size=_VOCAB, num_hidden_layers=2, num_experts=4)
@@ -89,6 +90,15 @@ def _build(model: str, layers: int, seed: int | None = None) -> nn.Module:
         return MoEDecoder(_MOE)
     if model == "llama":
         return tiny_hf_model("llama", seed=None, vocab_size=_VOCAB, num_hidden_layers=layers)
+    if model == "mistral":
+        return tiny_hf_model(
+            "mistral",
+            seed=None,
+            vocab_size=_VOCAB,
+            num_hidden_layers=layers,
+            sliding_window=5,
+            attn_implementation="sdpa",
+        )
     if model == "qwen3_moe":
         return hf_moe_model("qwen3_moe", seed=_QWEN3_MOE_SEED if seed is None else seed)
     raise ValueError(f"unknown model {model!r}; use one of {COMBINATION_MODELS}")
