@@ -5,7 +5,7 @@ unsharded reference (``plait.testing.combination_parity``: loss and every gradie
 parameters after 2 SGD steps, AdamW losses; fp32) on gloo ranks, and prints one JSON line. A layout
 the combination table refuses (``plait.mesh.combinations``) is reported as ``refused`` with its line,
 not run. Models: plait's dense decoder (layouts without ep), plait's MoE decoder (every layout,
-activation checkpointing off and full), transformers' Llama, Mistral (sliding window) and Qwen3-MoE
+activation checkpointing off, full and selective), transformers' Llama, Mistral (sliding window) and Qwen3-MoE
 (the pairs; Qwen3-MoE with AC off and full). ``--sixteen`` adds pp2 x dp_shard2 x cp2 x tp2 with ep2 over dp_shard x cp on 16
 ranks (the MoE decoder).
 
@@ -47,8 +47,12 @@ def layouts(max_axes: int, max_world: int) -> list[tuple[str, ...]]:
     return out
 
 
+MOE_AC: tuple[str | bool, ...] = (False, "full", "selective")
+"""The activation-checkpointing modes of plait's MoE decoder rows (Qwen3-MoE: off and full)."""
+
+
 def cases(
-    models: list[str], max_axes: int, max_world: int, sixteen: bool
+    models: list[str], max_axes: int, max_world: int, sixteen: bool, moe_ac: tuple[str | bool, ...] = MOE_AC
 ) -> list[tuple[str, tuple, str | bool]]:
     """(model, layout, AC mode) of the matrix."""
     out: list[tuple[str, tuple, str | bool]] = []
@@ -57,14 +61,14 @@ def cases(
         if "dense" in models and "ep" not in axes:
             out.append(("dense", axes, False))
         if "moe" in models:
-            out += [("moe", axes, False), ("moe", axes, "full")]
+            out += [("moe", axes, ac) for ac in moe_ac]
         for dense_hf in ("llama", "mistral"):
             if dense_hf in models and pair and "ep" not in axes:
                 out.append((dense_hf, axes, False))
         if "qwen3_moe" in models and pair:
             out += [("qwen3_moe", axes, False), ("qwen3_moe", axes, "full")]
     if sixteen and "moe" in models:
-        out += [("moe", SIXTEEN, False), ("moe", SIXTEEN, "full")]
+        out += [("moe", SIXTEEN, ac) for ac in moe_ac]
     return out
 
 
@@ -107,6 +111,7 @@ COLUMNS = (
     ("dense", ""),
     ("moe", ""),
     ("moe", " ac=full"),
+    ("moe", " ac=selective"),
     ("llama", ""),
     ("mistral", ""),
     ("qwen3_moe", ""),
@@ -120,7 +125,7 @@ def pivot(rows: list[dict]) -> str:
     layouts: dict[str, int] = {}
     for row in rows:
         rest = row["case"].partition(" ")[2]
-        layouts.setdefault(rest.removesuffix(" ac=full"), row["world"])
+        layouts.setdefault(rest.removesuffix(" ac=full").removesuffix(" ac=selective"), row["world"])
     head = "| layout | ranks | " + " | ".join(f"{m}{ac}" for m, ac in COLUMNS) + " |"
     lines = [head, "|---|---|" + "---|" * len(COLUMNS)]
     for layout, world in sorted(layouts.items(), key=lambda kv: (kv[1], kv[0].count(" x "), kv[0])):
@@ -136,13 +141,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=list(COMBINATION_MODELS))
     parser.add_argument("--max-axes", type=int, default=3)
+    parser.add_argument(
+        "--moe-ac", nargs="*", default=["off", "full", "selective"], help="the MoE rows' AC modes"
+    )
     parser.add_argument("--max-world", type=int, default=8)
     parser.add_argument("--sixteen", action="store_true", help="add the 5-D MoE layout on 16 ranks")
     parser.add_argument("--out", type=Path, default=RESULTS / "matrix.json")
     parser.add_argument("--report-only", action="store_true")
     opts = parser.parse_args()
     if not opts.report_only:
-        todo = cases(opts.models, opts.max_axes, opts.max_world, opts.sixteen)
+        moe_ac = tuple(False if a == "off" else a for a in opts.moe_ac)
+        todo = cases(opts.models, opts.max_axes, opts.max_world, opts.sixteen, moe_ac)
         refused = [
             {"case": name_of(*c), "world": combination_world(c[1]), "refused": why, "ok": True}
             for c in todo
