@@ -56,12 +56,12 @@ them in a forward and in its recompute."""
 def _ignore_profiler_ops() -> None:
     """Keep ``record_function`` markers out of selective checkpointing's saved-op accounting.
 
-    torch >= 2.12 saves every effectful op in a selective region unless the policy says
-    MUST_RECOMPUTE, and replays by per-op index. A nested FSDP unit (experts on the ep_shard mesh)
+    torch 2.15 (the locked version) saves every effectful op in a selective region unless the policy
+    says MUST_RECOMPUTE, and replays by per-op index. A nested FSDP unit (experts on the ep_shard mesh)
     recomputed in backward finds no forward root and emits an extra ``FSDP::root_pre_forward``
     marker, so the indices stop matching ("invocation index 2 ... not found in storage";
-    pytorch/torchtitan#3427, fix proposed in pytorch/pytorch#185178, not in torch 2.15, the locked
-    version). ``SAC_IGNORED_OPS`` is torch's public set of ops both passes run without accounting.
+    pytorch/torchtitan#3427; fix proposed in pytorch/pytorch#185178, not in 2.15).
+    ``SAC_IGNORED_OPS`` is torch's public set of ops both passes run without accounting.
     """
     SAC_IGNORED_OPS.update(_PROFILER_OPS)
 
@@ -91,9 +91,9 @@ def selective_policy(
 ) -> Callable[..., CheckpointPolicy]:
     """Return a fresh op-level policy for ``create_selective_checkpoint_contexts``.
 
-    In order: every op run inside a ``save_inside`` module is saved; then, with ``selective``, the 1st, 3rd, ... matmul of each
-    checkpointed call, attention kernels and functional collectives are saved; everything else is
-    recomputed. The forward and the recompute keep separate matmul counters, so both walk the same
+    In order: every op run inside a ``save_inside`` module is saved; then, with ``selective``, the
+    1st, 3rd, ... matmul of each checkpointed call, attention kernels and functional collectives are
+    saved; everything else is recomputed. The forward and the recompute keep separate matmul counters, so both walk the same
     sequence and agree on which matmuls were saved (torch versions that consult the policy again
     during recompute need this; newer ones replay the forward's decisions).
     """

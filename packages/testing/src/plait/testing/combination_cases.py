@@ -1,9 +1,9 @@
 """Rank-side body of the combination matrix: one model on one mesh of the six axes, against the unsharded model.
 
 A layout is a set of axes, each at size 2: ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``, ``sp``
-(tensor parallel with sequence parallel) and ``ep``. The expert mesh folds over ``dp_shard x cp``, and
-FSDP2 refuses pure replication, so ``ep`` without ``dp_shard`` or ``cp``, and ``dp_replicate`` without
-``dp_shard``, bring ``dp_shard 2`` with them. :func:`combination_parity` trains the model through
+(tensor parallel with sequence parallel) and ``ep``. The expert mesh folds over the data, context and
+tensor ranks of a stage; ``ep`` without ``cp`` brings ``dp_shard 2`` (experts spread over data ranks),
+and so does ``dp_replicate`` (FSDP2 refuses pure replication). :func:`combination_parity` trains the model through
 ``parallelize_model`` (or ``pipeline_model`` with ``pp``) beside the unsharded reference with
 plait.testing's driver (loss and every gradient at step 0, parameters after 2 SGD steps, 3 AdamW
 losses; fp32) and returns one row. Needs plait-sidecar and plait-pipeline, which plait-testing does

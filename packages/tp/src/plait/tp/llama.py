@@ -83,7 +83,8 @@ def _layer_plan(layer: nn.Module, layers: str, sp: bool) -> dict[str, ParallelSt
             if isinstance(getattr(layer, block, None), nn.Module):
                 plan[layers + block] = GatherSequenceInput()
         if isinstance(mlp, nn.Module) and not any(hasattr(mlp, n) for n in _MLP_PROJECTIONS):
-            # an MoE block (router, grouped experts): it runs whole, on the gathered sequence
+            # no Llama MLP projections (an MoE block: router, grouped experts): it runs whole, on
+            # the gathered sequence
             plan[layers + "mlp"] = SequenceParallelBlock()
     for name in ("q_proj", "k_proj", "v_proj"):
         if hasattr(attn, name):
