@@ -52,12 +52,61 @@ def _parser(command: str) -> argparse.ArgumentParser:
         help="let the recipe import the 'pkg.mod:ATTR' paths it names (tp_plan, unit_modules): only for recipes you trust",
     )
     if command == "plan":
-        parser.add_argument("--world-size", type=int, required=True, help="ranks to plan for (up to 16,384)")
+        parser.add_argument("--world-size", type=int, default=None, help="ranks to plan for (up to 16,384)")
+        _auto_arguments(parser)
     if command == "validate":
         parser.add_argument(
             "--world-size", type=int, default=None, help="ranks to check for (default: launch.nproc_per_node)"
         )
     return parser
+
+
+def _auto_arguments(parser: argparse.ArgumentParser) -> None:
+    auto = parser.add_argument_group("plan --auto: search every layout on a cluster (docs/planner.md)")
+    auto.add_argument("--auto", action="store_true", help="search layouts instead of planning the recipe's")
+    auto.add_argument("--hf-config", default=None, help="a Hugging Face config.json to size the model from")
+    auto.add_argument("--nodes", type=int, default=1)
+    auto.add_argument("--gpus-per-node", type=int, default=8)
+    auto.add_argument("--gpu", default="h100", help="GPU preset: h100 or h200 (SXM)")
+    auto.add_argument("--memory-gib", type=float, default=None, help="override the preset's memory per GPU")
+    auto.add_argument("--peak-tflops", type=float, default=None, help="override the preset's bf16 peak")
+    auto.add_argument("--global-tokens", type=int, default=None, help="tokens per optimizer step (all ranks)")
+    auto.add_argument("--seq-len", type=int, default=None, help="sequence length (default: data.seq_len)")
+    auto.add_argument(
+        "--consider",
+        action="append",
+        default=[],
+        metavar="AXIS=N,...",
+        help="also show the best layout with these sizes, e.g. pp=4,ep=8",
+    )
+    auto.add_argument("--top", type=int, default=5, help="candidates to print")
+    auto.add_argument("--write", default=None, metavar="FILE", help="write the best layout as a recipe")
+
+
+def _auto(recipe: Recipe, args: argparse.Namespace) -> str:
+    from plait.planner import cluster
+    from plait.train.plan_auto import auto_plan, parse_pin, shape_from_file, shape_of, write_recipe
+
+    overrides = {
+        k: v for k, v in (("memory_gib", args.memory_gib), ("peak_tflops", args.peak_tflops)) if v is not None
+    }
+    machine = cluster(args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node, **overrides)
+    shape = shape_from_file(args.hf_config) if args.hf_config else shape_of(recipe)
+    seq = args.seq_len or recipe.data.seq_len
+    tokens = args.global_tokens or seq * machine.world_size
+    text, result = auto_plan(
+        shape,
+        machine,
+        global_tokens=tokens,
+        seq_len=seq,
+        considers=[parse_pin(c) for c in args.consider],
+        top=args.top,
+    )
+    if args.write:
+        if not result.candidates or not result.candidates[0].fits:
+            raise ValueError(f"--write {args.write}: no layout fits, nothing written")
+        text += "\n" + write_recipe(args.write, recipe, result.candidates[0].layout, machine)
+    return text
 
 
 def _fail(err: BaseException) -> int:
@@ -118,7 +167,11 @@ def _inspect(command: str, args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides) if command == "show" else _load(args)
     if command == "show":
         print(yaml.safe_dump(to_dict(recipe), sort_keys=False), end="")
+    elif command == "plan" and args.auto:
+        print(_auto(recipe, args))
     elif command == "plan":
+        if args.world_size is None:
+            raise ValueError("plan needs --world-size N (or --auto to search layouts on a cluster)")
         from plait.train.plan import plan
 
         print(plan(recipe, args.world_size))

@@ -1,0 +1,173 @@
+"""Peak tensor memory of one rank over a training step (AdamW, FSDP2 flow); docs/planner.md states it.
+
+The worst rank is priced: under pipeline parallel the first and the last pipeline rank (the embedding
+and the most microbatches in flight; the head and the loss), the larger of the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.planner.activations import layer_saved_bytes, layer_work_bytes, model_saved_bytes
+from plait.planner.layout import Layout
+from plait.planner.shape import ModelShape
+
+__all__ = ["MemoryEstimate", "StageShare", "estimate_memory", "param_sizes", "stage_shares"]
+
+_F32 = 4
+
+
+@dataclass(frozen=True)
+class StageShare:
+    """What one pipeline rank holds: its layers (dense and MoE), and the embedding or head."""
+
+    pp_rank: int
+    dense_layers: int
+    moe_layers: int
+    embedding: bool
+    head: bool
+
+
+def _layers_per_stage(layers: int, stages: int) -> list[int]:
+    base, extra = divmod(layers, stages)
+    return [base + (1 if i < extra else 0) for i in range(stages)]
+
+
+def stage_shares(shape: ModelShape, layout: Layout) -> list[StageShare]:
+    """The first and last pipeline rank's share (one entry without pipeline parallel)."""
+    counts = _layers_per_stage(shape.num_layers, layout.stages)
+    firsts = [sum(counts[:i]) for i in range(layout.stages)]
+    v_shape = layout.pp_schedule == "zbv_zero_bubble"
+    shares = []
+    for rank in sorted({0, layout.pp - 1}):
+        if v_shape:
+            stages = [rank, 2 * layout.pp - 1 - rank]
+        else:
+            stages = [rank + j * layout.pp for j in range(layout.stages_per_rank)]
+        dense = moe = 0
+        for s in stages:
+            for layer in range(firsts[s], firsts[s] + counts[s]):
+                if shape.moe and layer >= shape.dense_layers:
+                    moe += 1
+                else:
+                    dense += 1
+        shares.append(StageShare(rank, dense, moe, 0 in stages, layout.stages - 1 in stages))
+    return shares
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes on one rank: resident state, what the step adds, and the step's peak."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    gathered: float
+    """FSDP unsharded parameters held at the peak (units kept after forward, current + prefetched)."""
+    activations: float
+    """Saved for backward at the peak: every layer's saves for the microbatches in flight."""
+    loss: float
+    """Logits and the cross-entropy's saved and gradient buffers."""
+    transient: float
+    """Backward of the first layer: its recompute (checkpointed), its gradients in compute dtype."""
+    pp_rank: int = 0
+    accumulating: bool = False
+    """Gradients live through the forward (``grad_accum`` > 1): FSDP holds them unsharded until the last."""
+
+    @property
+    def peak(self) -> float:
+        """Peak bytes over the step (at the start of backward, or at the optimizer step if larger)."""
+        backward = self.parameters + self.optimizer + self.gathered + self.activations + self.loss
+        backward += self.transient + (self.gradients if self.accumulating else 0.0)
+        return max(backward, self.parameters + self.optimizer + self.gradients + self.parameters / 4)
+
+    def breakdown(self) -> dict[str, float]:
+        """Every term and the peak, in bytes."""
+        terms = ("parameters", "gradients", "optimizer", "gathered", "activations", "loss", "transient")
+        return {**{t: getattr(self, t) for t in terms}, "peak": self.peak}
+
+
+def param_sizes(shape: ModelShape, layout: Layout, share: StageShare) -> tuple[float, float, float]:
+    """``(sharded parameters on this rank, largest unit's unsharded size, root unit's unsharded size)``."""
+    t, h = layout.tp, shape.hidden_size
+    attn = shape.attention_params() / t + 2 * h
+    dense_unit = attn + shape.dense_mlp_params() / t
+    expert_ranks = layout.dp_shard * layout.cp * (t if layout.ep > 1 else 1)
+    experts_gathered = shape.expert_params() / layout.ep
+    moe_unit = attn + shape.moe_dense_params() + experts_gathered
+    root = (shape.vocab_size * h / t) * (int(share.embedding) + int(share.head and not shape.tied_embeddings))
+    root += h if share.head else 0
+    dense_part = share.dense_layers * dense_unit + share.moe_layers * (attn + shape.moe_dense_params()) + root
+    local = dense_part / layout.fsdp + share.moe_layers * shape.expert_params() / (layout.ep * expert_ranks)
+    largest = max(dense_unit if share.dense_layers else 0.0, moe_unit if share.moe_layers else 0.0)
+    return local, largest, root
+
+
+def _in_flight(layout: Layout, pp_rank: int) -> float:
+    """Microbatches whose activations one local stage holds at the peak (per stage of ``stages_per_rank``)."""
+    m, p, v = layout.pp_microbatches, layout.pp, layout.stages_per_rank
+    if p == 1:
+        return 1.0
+    if layout.pp_schedule == "gpipe":
+        return float(m)
+    if layout.pp_schedule == "looped_bfs":
+        return float(m)
+    if v == 1:
+        return float(min(m, p - pp_rank))
+    warmup = (v - 1) * p + 2 * (p - 1 - pp_rank) + 1  # torch's interleaved warm-up forwards, plus one
+    return min(warmup, m * v) / v
+
+
+def _gathered(layout: Layout, units: int, largest: float, root: float) -> float:
+    """Unsharded parameters held at the start of backward (compute dtype)."""
+    e = 2 if layout.bf16 else 4
+    if layout.fsdp == 1:
+        return 0.0
+    if layout.pp > 1 or layout.reshard is False:
+        kept = units * largest  # stages (and reshard=False) keep every unit after forward
+    elif layout.reshard is True:
+        kept = largest * (1 + layout.backward_prefetch)  # the last unit (kept) and its prefetch
+    else:
+        kept = largest * (1 + layout.backward_prefetch) + (units - 1) * largest / layout.reshard
+    return e * (kept + root)
+
+
+def _loss_bytes(shape: ModelShape, layout: Layout, tokens: float) -> float:
+    """Logits (compute dtype, kept by the caller), fp32 log-softmax saved, its two gradient buffers."""
+    vocab = shape.vocab_size / layout.tp
+    e = 2 if layout.bf16 else 4
+    upcast = _F32 if layout.bf16 else 0
+    return tokens * vocab * (e + upcast + 3 * _F32)
+
+
+def _estimate_share(shape: ModelShape, layout: Layout, share: StageShare) -> MemoryEstimate:
+    e = 2 if layout.bf16 else 4
+    local, largest, root = param_sizes(shape, layout, share)
+    tokens = layout.micro_batch / layout.pp_microbatches * layout.seq_len / layout.cp
+    flight = _in_flight(layout, share.pp_rank) * layout.stages_per_rank
+    layer_saves = share.dense_layers * layer_saved_bytes(shape, layout, False)
+    layer_saves += share.moe_layers * layer_saved_bytes(shape, layout, True)
+    layer_saves /= layout.stages_per_rank
+    activations = tokens * flight * (layer_saves + model_saved_bytes(shape, layout))
+    first_moe = share.moe_layers > 0
+    work = layer_work_bytes(shape, layout, first_moe) if layout.ac != "none" else 0.0
+    grads_in_compute = e * largest + (_F32 * largest if layout.bf16 else 0.0)
+    units = share.dense_layers + share.moe_layers
+    accumulating = layout.grad_accum > 1
+    unsharded = local * layout.fsdp if accumulating and layout.pp == 1 else local
+    return MemoryEstimate(
+        parameters=_F32 * local,
+        gradients=_F32 * unsharded,
+        optimizer=2 * _F32 * local,
+        gathered=_gathered(layout, units, largest, root),
+        activations=activations,
+        loss=_loss_bytes(shape, layout, tokens) if share.head else 0.0,
+        transient=tokens * work + grads_in_compute,
+        pp_rank=share.pp_rank,
+        accumulating=accumulating,
+    )
+
+
+def estimate_memory(shape: ModelShape, layout: Layout) -> MemoryEstimate:
+    """The worst pipeline rank's memory over one step of ``layout`` for ``shape``."""
+    return max((_estimate_share(shape, layout, s) for s in stage_shares(shape, layout)), key=lambda m: m.peak)

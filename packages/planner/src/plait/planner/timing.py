@@ -1,0 +1,97 @@
+"""Step time, tokens/s/GPU and MFU of a layout on a cluster (the overlap rules are in docs/planner.md).
+
+Compute is the model's FLOPs (torchtitan's formula, plus the recompute of checkpointed layers) at
+``Cluster.compute_efficiency`` of peak. Collectives the flow overlaps cost only what exceeds the compute
+they hide behind (FSDP gathers and reductions: the whole step's; ring attention's K/V passes: the
+attention's); TP, all-gather CP, all-to-all and pipeline sends are exposed; a pipeline adds its
+bubble, ``(pp - 1) / (microbatches x stages_per_rank)`` of the compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.planner.cluster import Cluster
+from plait.planner.layout import Layout
+from plait.planner.shape import ModelShape
+from plait.planner.traffic import Collective
+
+__all__ = ["StepTime", "estimate_time"]
+
+_RECOMPUTE = {"none": 0.0, "selective": 0.1, "full": 1.0 / 3.0}
+"""Extra compute per AC mode, as a share of forward + backward (full: one more forward of 2 of 6 units)."""
+
+_AXIS_ORDER = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
+"""Mesh axes innermost first: a group over an axis spans the ranks of the axes inside it."""
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step by part, and the rates they give."""
+
+    compute: float
+    exposed_comm: float
+    overlapped_comm: float
+    bubble: float
+    tokens_per_gpu: float
+    model_flops_per_token: float
+    peak_flops: float
+
+    @property
+    def step(self) -> float:
+        """Seconds per optimizer step."""
+        return self.compute + self.exposed_comm + max(0.0, self.overlapped_comm - self.compute) + self.bubble
+
+    @property
+    def tokens_per_second_per_gpu(self) -> float:
+        """Training tokens per second per GPU."""
+        return self.tokens_per_gpu / self.step
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation (torchtitan's: model FLOPs per token x tokens/s / peak)."""
+        return self.model_flops_per_token * self.tokens_per_second_per_gpu / self.peak_flops
+
+
+def _span(layout: Layout, axis: str) -> int:
+    """Consecutive ranks a group over ``axis`` spans (its size times the axes inside it)."""
+    if axis == "ep":  # ep is carved from dp_shard x cp x tp, innermost
+        return layout.ep
+    span = 1
+    for name in _AXIS_ORDER:
+        span *= getattr(layout, name)
+        if name == axis:
+            return span
+    raise AssertionError(axis)
+
+
+def _seconds(c: Collective, layout: Layout, cluster: Cluster) -> float:
+    return c.sent() / cluster.bandwidth(_span(layout, c.axis)) + c.count * cluster.latency_us * 1e-6
+
+
+def estimate_time(
+    shape: ModelShape, layout: Layout, cluster: Cluster, collectives: list[Collective]
+) -> StepTime:
+    """Price one optimizer step of ``layout`` on ``cluster`` (``collectives`` from estimate_traffic)."""
+    tokens = layout.micro_batch * layout.grad_accum * layout.seq_len * layout.dp / layout.world
+    model_flops = shape.flops_per_token(layout.seq_len)
+    work = model_flops * tokens * (1 + _RECOMPUTE[layout.ac])
+    compute = work / (cluster.peak_tflops * 1e12 * cluster.compute_efficiency)
+    attention_flops = 12 * shape.num_layers * shape.num_heads * shape.head_dim * layout.seq_len
+    attention = compute * attention_flops / model_flops
+    exposed = sum(_seconds(c, layout, cluster) for c in collectives if not c.overlapped)
+    ring = sum(_seconds(c, layout, cluster) for c in collectives if c.overlapped == "attention")
+    exposed += max(0.0, ring - attention)  # ring steps hide behind the attention of their chunk only
+    hidden = sum(_seconds(c, layout, cluster) for c in collectives if c.overlapped == "compute")
+    bubble = 0.0
+    if layout.pp > 1:
+        bubble = compute * (layout.pp - 1) / (layout.pp_microbatches * layout.stages_per_rank)
+    return StepTime(
+        compute=compute,
+        exposed_comm=exposed,
+        overlapped_comm=hidden,
+        bubble=bubble,
+        tokens_per_gpu=tokens,
+        model_flops_per_token=model_flops,
+        peak_flops=cluster.peak_tflops * 1e12,
+    )

@@ -1,0 +1,149 @@
+"""Collectives one rank issues per optimizer step, by kind and mesh axis (docs/planner.md).
+
+Each is priced by its *buffer* — the bytes the rank hands to the call (all-gather: its shard;
+reduce-scatter: the whole input; all-reduce and all-to-all: the tensor; send: the activation) —
+which is what a dispatch-level counter sees; :meth:`Collective.sent` turns that into ring traffic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.planner.layout import Layout
+from plait.planner.memory import StageShare, param_sizes, stage_shares
+from plait.planner.shape import ModelShape
+
+__all__ = ["Collective", "estimate_traffic", "traffic_by_kind"]
+
+_F32 = 4
+
+
+@dataclass(frozen=True)
+class Collective:
+    """``count`` calls of ``kind`` over ``group`` ranks of ``axis``, ``buffer`` bytes in all."""
+
+    kind: str
+    axis: str
+    group: int
+    buffer: float
+    count: int
+    overlapped: str
+    """What the flow runs it behind: ``compute`` (FSDP prefetch), ``attention`` (ring CP), or ``""`` (exposed)."""
+
+    def sent(self) -> float:
+        """Bytes this rank sends (ring algorithms)."""
+        n = self.group
+        factor = {
+            "all_gather": n - 1,
+            "reduce_scatter": (n - 1) / n,
+            "all_reduce": 2 * (n - 1) / n,
+            "all_to_all": (n - 1) / n,
+            "send": 1.0,
+        }[self.kind]
+        return factor * self.buffer
+
+
+def _fsdp(shape: ModelShape, layout: Layout, share: StageShare) -> list[Collective]:
+    e = 2 if layout.bf16 else 4
+    local, _, root = param_sizes(shape, layout, share)
+    units = share.dense_layers + share.moe_layers
+    n = layout.fsdp
+    if n == 1:
+        return []
+    regather = 0 if layout.pp > 1 or layout.reshard is False else units - 1
+    passes = layout.grad_accum if layout.pp == 1 else 1
+    out = [Collective("all_gather", "dp_shard", n, e * local * passes, (units + 1) * passes, "compute")]
+    if regather:
+        group = layout.reshard if not isinstance(layout.reshard, bool) else n
+        per_unit = e * (local - root / n) / units
+        out.append(
+            Collective(
+                "all_gather", "dp_shard", group, per_unit * regather * passes * n / group, regather, "compute"
+            )
+        )
+    out.append(Collective("reduce_scatter", "dp_shard", n, _F32 * local * n, units + 1, "compute"))
+    if layout.dp_replicate > 1:
+        out.append(
+            Collective("all_reduce", "dp_replicate", layout.dp_replicate, _F32 * local, units + 1, "compute")
+        )
+    return out
+
+
+def _tp(shape: ModelShape, layout: Layout, share: StageShare, tokens: float) -> list[Collective]:
+    """Per layer and pass two reductions (forward) and two (backward); SP splits each into a gather and a scatter."""
+    t, e = layout.tp, 2 if layout.bf16 else 4
+    if t == 1:
+        return []
+    layers = share.dense_layers + share.moe_layers
+    passes = 2 + (1 if layout.ac == "full" else 0)
+    act = tokens * shape.hidden_size * e
+    calls = layers * passes * 2 + 2 * (int(share.embedding) + int(share.head))
+    if layout.sp:
+        return [
+            Collective("all_gather", "tp", t, calls * act / t, calls, ""),
+            Collective("reduce_scatter", "tp", t, calls * act, calls, ""),
+        ]
+    return [Collective("all_reduce", "tp", t, calls * act, calls, "")]
+
+
+def _cp(shape: ModelShape, layout: Layout, share: StageShare, tokens: float) -> list[Collective]:
+    cp, e = layout.cp, 2 if layout.bf16 else 4
+    if cp == 1:
+        return []
+    layers = share.dense_layers + share.moe_layers
+    kv = tokens * (shape.kv_width + shape.v_width) / layout.tp * e
+    forwards = 2 if layout.ac == "full" else 1
+    if layout.cp_variant == "all_gather":  # K/V gathered per forward, dK/dV reduce-scattered
+        return [
+            Collective("all_gather", "cp", cp, layers * forwards * kv, layers * forwards, ""),
+            Collective("reduce_scatter", "cp", cp, layers * kv * cp * _F32 / e, layers, ""),
+        ]
+    if layout.cp_variant == "ring":  # K/V passed cp-1 times per forward and backward, fp32 dK/dV too
+        steps = layers * (cp - 1) * (forwards + 1)
+        return [
+            Collective("send", "cp", cp, steps * kv + layers * (cp - 1) * kv * _F32 / e, steps, "attention")
+        ]
+    qo = tokens * 2 * shape.q_width / layout.tp * e
+    calls = layers * (forwards + 1) * 4
+    return [Collective("all_to_all", "cp", cp, layers * (forwards + 1) * (kv + qo), calls, "")]
+
+
+def _ep(shape: ModelShape, layout: Layout, share: StageShare, tokens: float) -> list[Collective]:
+    if layout.ep == 1 or not share.moe_layers:
+        return []
+    e = 2 if layout.bf16 else 4
+    passes = 2 + (1 if layout.ac == "full" else 0)
+    slots = tokens * shape.experts_per_token * shape.hidden_size * e
+    calls = share.moe_layers * passes * 2
+    return [Collective("all_to_all", "ep", layout.ep, calls * slots, calls, "")]
+
+
+def _pp(shape: ModelShape, layout: Layout, tokens: float) -> list[Collective]:
+    if layout.pp == 1:
+        return []
+    e = 2 if layout.bf16 else 4
+    per = tokens * shape.hidden_size * e / (layout.tp if layout.sp else 1)
+    calls = 2 * layout.pp_microbatches * layout.stages_per_rank * layout.grad_accum
+    return [Collective("send", "pp", 2, calls * per, calls, "")]
+
+
+def estimate_traffic(shape: ModelShape, layout: Layout) -> list[Collective]:
+    """Every collective the worst-loaded rank issues in one optimizer step."""
+    share = max(stage_shares(shape, layout), key=lambda s: (s.dense_layers + s.moe_layers, s.embedding))
+    tokens = layout.micro_batch / layout.pp_microbatches * layout.seq_len / layout.cp
+    per_forward = tokens * layout.pp_microbatches * layout.grad_accum
+    return [
+        *_fsdp(shape, layout, share),
+        *_tp(shape, layout, share, per_forward),
+        *_cp(shape, layout, share, per_forward),
+        *_ep(shape, layout, share, per_forward),
+        *_pp(shape, layout, tokens),
+    ]
+
+
+def traffic_by_kind(collectives: list[Collective]) -> dict[str, float]:
+    """Buffer bytes per collective kind (what a dispatch-level counter reports)."""
+    totals: dict[str, float] = {}
+    for c in collectives:
+        totals[c.kind] = totals.get(c.kind, 0.0) + c.buffer
+    return totals
