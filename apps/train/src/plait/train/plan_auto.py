@@ -56,8 +56,11 @@ def shape_from_file(path: str) -> ModelShape:
         ) from None
 
 
-def layout_of_recipe(recipe: Recipe, world_size: int) -> Layout:
-    """The :class:`Layout` a recipe runs on ``world_size`` ranks (what the planner prices for it)."""
+def layout_of_recipe(recipe: Recipe, world_size: int, *, cpu: bool = False) -> Layout:
+    """The :class:`Layout` a recipe runs on ``world_size`` ranks (what the planner prices for it).
+
+    ``cpu``: the ranks are CPUs, whose attention kernel keeps K/V repeated to every query head.
+    """
     par, options = recipe.parallel, recipe.parallel.options
     pipe = PipelineConfig.from_dict(par.pipeline)
     dp = world_size // (par.pp_size * par.cp_size * par.tp_size)
@@ -82,6 +85,7 @@ def layout_of_recipe(recipe: Recipe, world_size: int) -> Layout:
         bf16=par.mixed_precision == "bf16",
         forward_prefetch=options.get("fsdp2_forward_prefetch_depth", 1),
         backward_prefetch=options.get("fsdp2_backward_prefetch_depth", 1),
+        gqa_expanded=cpu,
     )
 
 

@@ -3,8 +3,8 @@
 The counts follow the tensors autograd saves in a Llama-style block as plait's reference decoder and
 Hugging Face's Llama implement it: RMSNorm in fp32 (its fp32 input, the normalised value, the scaled
 output the projections save), rotary embeddings (q and k before and after, and the rotated half),
-fused attention (its inputs, output and fp32 log-sum-exp), the attention output's contiguous copy,
-and SwiGLU (gate, its SiLU, up and their product). Under tensor parallel the head and MLP terms
+fused attention (its inputs, output and fp32 log-sum-exp; rotary multiplies by constant tables,
+so it saves only the tables), and SwiGLU (gate, its SiLU, up and their product). Under tensor parallel the head and MLP terms
 divide by tp; under sequence parallel the norm terms do too, but each projection's gathered input
 is whole.
 """
@@ -34,7 +34,9 @@ def _attention(shape: ModelShape, layout: Layout) -> float:
     """Projections, rotary, fused attention and the output copy (local heads), K/V per cp variant."""
     e, t, cp = _act(layout), layout.tp, layout.cp
     q, kv, v = shape.q_width / t, shape.kv_width / t, shape.v_width / t
-    saved = e * (5 * q + 3 * kv + v) + _F32 * shape.num_heads / t
+    if layout.gqa_expanded:
+        kv = v = q
+    saved = e * (2 * q + kv + v) + _F32 * shape.num_heads / t
     if cp > 1 and layout.cp_variant == "all_gather":
         saved += e * (kv + v) * (cp - 1)  # every cp rank's K and V, gathered
     elif cp > 1 and layout.cp_variant == "ring":
@@ -49,13 +51,20 @@ def _dense_mlp(shape: ModelShape, layout: Layout) -> float:
 
 
 def _moe_mlp(shape: ModelShape, layout: Layout) -> float:
-    """Router, dispatched copies, grouped SwiGLU per routed slot, shared expert; whole under tp."""
+    """Router, dispatched copies, grouped SwiGLU per routed slot, shared expert; whole under tp.
+
+    Router: fp32 scores, top-k weights and their sum; three int64 indices per slot (top-k, the
+    dispatch gather, the combine); per slot the dispatched token, the expert's SwiGLU, its output
+    and its weight.
+    """
     e, h, k = _act(layout), shape.hidden_size, shape.experts_per_token
-    slots = k * (2 * e * h + 4 * e * shape.moe_intermediate_size + _F32)
+    router = _F32 * (shape.num_experts + k + 1)
+    # 3 e h: the dispatched token, the expert's output and the weighted output (a copy the combine keeps).
+    slots = k * (3 * e * h + 4 * e * shape.moe_intermediate_size + _F32 + 3 * 8)
     if layout.ep > 1:
-        slots += k * 2 * e * h  # the all-to-all's received tokens and returned outputs
+        slots += k * e * h  # the all-to-all's returned outputs, kept for the combine
     shared = 4 * e * shape.shared_intermediate_size
-    return _F32 * shape.num_experts + slots + shared
+    return router + slots + shared
 
 
 def layer_work_bytes(shape: ModelShape, layout: Layout, moe: bool) -> float:
@@ -90,5 +99,6 @@ def layer_saved_bytes(shape: ModelShape, layout: Layout, moe: bool) -> float:
 
 
 def model_saved_bytes(shape: ModelShape, layout: Layout) -> float:
-    """Bytes per local token the model keeps outside its layers: the rotary cos/sin tables."""
-    return 2 * _act(layout) * shape.head_dim
+    """Bytes per local token the model keeps outside its layers: token ids, rotary tables, final norm."""
+    e, h = _act(layout), shape.hidden_size
+    return 8 + 2 * e * shape.head_dim + (_F32 * h + 2 * e * h + _F32) / (layout.tp if layout.sp else 1)

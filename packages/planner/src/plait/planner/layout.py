@@ -51,6 +51,8 @@ class Layout:
     """bf16 compute, fp32 master weights, gradients and reduction (plait's ``bf16`` policy)."""
     forward_prefetch: int = 1
     backward_prefetch: int = 1
+    gqa_expanded: bool = False
+    """Attention saves K and V repeated to every query head (torch's CPU flash kernel); CUDA's does not."""
 
     def __post_init__(self) -> None:
         if self.ac not in AC_MODES:

@@ -76,10 +76,13 @@ class MemoryEstimate:
 
     @property
     def peak(self) -> float:
-        """Peak bytes over the step (at the start of backward, or at the optimizer step if larger)."""
-        backward = self.parameters + self.optimizer + self.gathered + self.activations + self.loss
-        backward += self.transient + (self.gradients if self.accumulating else 0.0)
-        return max(backward, self.parameters + self.optimizer + self.gradients + self.parameters / 4)
+        """Peak bytes over the step: the start of backward, mid-backward, or the optimizer step."""
+        resident = self.parameters + self.optimizer + (self.gradients if self.accumulating else 0.0)
+        start = resident + self.gathered + self.activations + self.loss
+        # A checkpointed backward peaks mid-way: half the saved inputs are left, half the gradients made.
+        middle = resident + self.gathered + (self.activations + self.gradients) / 2 + self.transient
+        step = self.parameters + self.optimizer + self.gradients + self.parameters / 4
+        return max(start, middle, step)
 
     def breakdown(self) -> dict[str, float]:
         """Every term and the peak, in bytes."""
@@ -98,7 +101,7 @@ def param_sizes(shape: ModelShape, layout: Layout, share: StageShare) -> tuple[f
     root = (shape.vocab_size * h / t) * (int(share.embedding) + int(share.head and not shape.tied_embeddings))
     root += h if share.head else 0
     dense_part = share.dense_layers * dense_unit + share.moe_layers * (attn + shape.moe_dense_params()) + root
-    local = dense_part / layout.fsdp + share.moe_layers * shape.expert_params() / (layout.ep * expert_ranks)
+    local = dense_part / layout.fsdp + share.moe_layers * shape.expert_params() / expert_ranks
     largest = max(dense_unit if share.dense_layers else 0.0, moe_unit if share.moe_layers else 0.0)
     return local, largest, root
 
@@ -126,9 +129,9 @@ def _gathered(layout: Layout, units: int, largest: float, root: float) -> float:
     if layout.pp > 1 or layout.reshard is False:
         kept = units * largest  # stages (and reshard=False) keep every unit after forward
     elif layout.reshard is True:
-        kept = largest * (1 + layout.backward_prefetch)  # the last unit (kept) and its prefetch
+        kept = largest  # the last unit, kept after forward; the rest resharded
     else:
-        kept = largest * (1 + layout.backward_prefetch) + (units - 1) * largest / layout.reshard
+        kept = largest + (units - 1) * largest / layout.reshard
     return e * (kept + root)
 
 
@@ -151,10 +154,13 @@ def _estimate_share(shape: ModelShape, layout: Layout, share: StageShare) -> Mem
     activations = tokens * flight * (layer_saves + model_saved_bytes(shape, layout))
     first_moe = share.moe_layers > 0
     work = layer_work_bytes(shape, layout, first_moe) if layout.ac != "none" else 0.0
-    grads_in_compute = e * largest + (_F32 * largest if layout.bf16 else 0.0)
+    # A layer's backward: its recompute and half as much again in activation gradients (measured),
+    # its weight gradients in compute dtype and the fp32 reduce-scatter input.
+    grads_in_compute = e * largest + (_F32 * largest if layout.bf16 or layout.fsdp > 1 else 0.0)
     units = share.dense_layers + share.moe_layers
-    accumulating = layout.grad_accum > 1
-    unsharded = local * layout.fsdp if accumulating and layout.pp == 1 else local
+    # FSDP skips the reduction until the last micro-batch (or pipeline microbatch): unsharded fp32 gradients.
+    accumulating = layout.grad_accum > 1 or layout.pp_microbatches > 1
+    unsharded = local * layout.fsdp if accumulating else local
     return MemoryEstimate(
         parameters=_F32 * local,
         gradients=_F32 * unsharded,
@@ -162,7 +168,7 @@ def _estimate_share(shape: ModelShape, layout: Layout, share: StageShare) -> Mem
         gathered=_gathered(layout, units, largest, root),
         activations=activations,
         loss=_loss_bytes(shape, layout, tokens) if share.head else 0.0,
-        transient=tokens * work + grads_in_compute,
+        transient=1.5 * tokens * work + grads_in_compute,
         pp_rank=share.pp_rank,
         accumulating=accumulating,
     )

@@ -46,6 +46,8 @@ class Collective:
 def _fsdp(shape: ModelShape, layout: Layout, share: StageShare) -> list[Collective]:
     e = 2 if layout.bf16 else 4
     local, _, root = param_sizes(shape, layout, share)
+    if layout.ep > 1 and layout.ep_shard == 1:  # experts sharded by ep alone: FSDP never gathers them
+        local -= share.moe_layers * shape.expert_params() / (layout.dp_shard * layout.cp * layout.tp)
     units = share.dense_layers + share.moe_layers
     n = layout.fsdp
     if n == 1:
@@ -75,14 +77,17 @@ def _tp(shape: ModelShape, layout: Layout, share: StageShare, tokens: float) -> 
     if t == 1:
         return []
     layers = share.dense_layers + share.moe_layers
-    passes = 2 + (1 if layout.ac == "full" else 0)
+    recompute = 2 if layout.ac == "full" else 0
     act = tokens * shape.hidden_size * e
-    calls = layers * passes * 2 + 2 * (int(share.embedding) + int(share.head))
+    ends = int(share.embedding) + int(share.head)  # the embedding's forward, the head's backward
     if layout.sp:
+        calls = layers * (4 + recompute) + ends
         return [
             Collective("all_gather", "tp", t, calls * act / t, calls, ""),
             Collective("reduce_scatter", "tp", t, calls * act, calls, ""),
         ]
+    # Without SP each projection's input gradient is reduced on its own: q, k, v and gate, up.
+    calls = layers * (2 + 5 + recompute) + ends
     return [Collective("all_reduce", "tp", t, calls * act, calls, "")]
 
 
@@ -123,7 +128,9 @@ def _pp(shape: ModelShape, layout: Layout, tokens: float) -> list[Collective]:
         return []
     e = 2 if layout.bf16 else 4
     per = tokens * shape.hidden_size * e / (layout.tp if layout.sp else 1)
-    calls = 2 * layout.pp_microbatches * layout.stages_per_rank * layout.grad_accum
+    # Per microbatch an end rank sends each stage's output and each stage's input gradient but stage 0's.
+    sends = 2 * layout.stages_per_rank - (1 if layout.pp == 2 else 0)
+    calls = sends * layout.pp_microbatches * layout.grad_accum
     return [Collective("send", "pp", 2, calls * per, calls, "")]
 
 

@@ -92,6 +92,7 @@ _LAZY = {
         "hf_moe_parity",
         "hf_moe_reference_margin",
     ),
+    "plait.testing.memory_probe": ("measure_step", "run_layout"),
     "plait.testing.pipeline_cases": ("PIPELINE_VOCAB", "pipeline_decoder", "pipeline_parity"),
 }
 _LAZY_MODULE = {name: module for module, names in _LAZY.items() for name in names}
@@ -107,6 +108,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ADAMW_LR",
+    "measure_step",
+    "run_layout",
     "BF16",
     "COMBINATION_AXES",
     "COMBINATION_MODELS",
