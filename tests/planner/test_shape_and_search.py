@@ -138,3 +138,10 @@ def test_the_written_recipe_validates(tmp_path: Path) -> None:
     ]
     assert main(["plan", "--auto", *args, "--global-tokens", "8192", "--write", str(out)]) == 0
     assert main(["validate", "--recipe", str(out), "--world-size", "4"]) == 0
+
+
+def test_the_planner_knows_every_pipeline_schedule() -> None:
+    from plait.pipeline import SCHEDULES
+    from plait.planner import PP_SCHEDULES
+
+    assert set(PP_SCHEDULES) == set(SCHEDULES)
