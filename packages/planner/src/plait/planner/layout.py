@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from plait.mesh import FSDP2Config, ParallelismSizes, combination_request, refusal_of
@@ -113,23 +114,29 @@ class Layout:
         return " ".join(parts)
 
 
-def _request_refusal(layout: Layout, shape: ModelShape) -> str | None:
-    """The combination table's refusal of the layout (the one that run and ``validate`` give)."""
-    sizes = ParallelismSizes(
-        dp_size=layout.dp,
-        dp_replicate_size=layout.dp_replicate,
-        tp_size=layout.tp,
-        pp_size=layout.pp,
-        cp_size=layout.cp,
-        ep_size=layout.ep,
-    )
+@functools.cache
+def _config(sequence_parallel: bool) -> FSDP2Config:
+    return FSDP2Config(sequence_parallel=sequence_parallel)
+
+
+@functools.cache
+def _table_refusal(sizes: tuple[int, ...], sp: bool, ac: str, moe: bool) -> str | None:
+    dp, dp_replicate, tp, pp, cp, ep = sizes
     request = combination_request(
-        FSDP2Config(sequence_parallel=layout.sp),
-        sizes,
-        activation_checkpointing=False if layout.ac == "none" else layout.ac,
-        features=("moe",) if shape.moe else (),
+        _config(sp),
+        ParallelismSizes(
+            dp_size=dp, dp_replicate_size=dp_replicate, tp_size=tp, pp_size=pp, cp_size=cp, ep_size=ep
+        ),
+        activation_checkpointing=False if ac == "none" else ac,
+        features=("moe",) if moe else (),
     )
     return refusal_of(request)
+
+
+def _request_refusal(layout: Layout, shape: ModelShape) -> str | None:
+    """The combination table's refusal of the layout (the one that run and ``validate`` give)."""
+    sizes = (layout.dp, layout.dp_replicate, layout.tp, layout.pp, layout.cp, layout.ep)
+    return _table_refusal(sizes, layout.sp, layout.ac, shape.moe)
 
 
 def refusal(layout: Layout, shape: ModelShape) -> str | None:
