@@ -34,6 +34,10 @@ RUN: dict[str, str] = {
     "uv run apps/train plan --recipe llama3_8b --world-size 1024": "communication per step",
     "uv run apps/train validate --recipe llama3_8b --world-size 16": "recipe llama3_8b: ok on 16 rank(s)",
     "uv run apps/train plan --recipe llama3_8b --world-size 16": "memory per rank",
+    "uv run apps/train plan --auto --recipe llama3_8b --nodes 1 --gpus-per-node 8 --gpu h100 --seq-len 8192 "
+    "--global-tokens 131072 --consider dp_shard=8": "considered dp_shard=8",
+    "uv run apps/train plan --auto --hf-config docs/examples/mixtral_8x22b_config.json --nodes 4 --seq-len 4096 "
+    "--global-tokens 1048576 --consider pp=4,ep=8": "considered pp=4,ep=8",
 }
 CHEAPER: dict[str, tuple[str, list[str]]] = {
     # command -> (why it is not run as written, arguments added to `validate <its own arguments>`)
@@ -66,7 +70,8 @@ COVERED: dict[str, tuple[str, str]] = {
     ),
     "uv sync": (".ci/run", "uv sync --locked"),
     "uv venv && uv pip install torch dist/plait_mesh-*.whl dist/plait_sharding-*.whl dist/plait_tp-*.whl "
-    "dist/plait_cp-*.whl dist/plait_float8-*.whl dist/plait_strategies-*.whl dist/plait_sidecar-*.whl "
+    "dist/plait_cp-*.whl dist/plait_float8-*.whl dist/plait_planner-*.whl dist/plait_strategies-*.whl "
+    "dist/plait_sidecar-*.whl "
     "dist/plait_pipeline-*.whl dist/plait_models-*.whl dist/plait_train-*.whl": (
         "tests/train/test_docs.py",
         "def test_the_wheel_install_command_names_every_workspace_package_it_needs",
@@ -163,7 +168,8 @@ def test_no_untagged_block_holds_a_command() -> None:
 
 
 def _run_cli(argv: list[str], cwd: Path, capsys: pytest.CaptureFixture[str], monkeypatch) -> str:
-    """``plait-train ARGV`` in ``cwd`` (which holds a ``notes/`` and a ``data.jsonl``); its stdout."""
+    """``plait-train ARGV`` in ``cwd`` (which holds a ``notes/``, a ``data.jsonl`` and the repo's ``docs/``)."""
+    (cwd / "docs").symlink_to(REPO / "docs")  # commands name docs/examples/ files, run from the repo root
     (cwd / "notes").mkdir()
     (cwd / "notes" / "a.md").write_text("# notes\n")
     (cwd / "data.jsonl").write_text('{"text": "a document"}\n')

@@ -12,27 +12,30 @@ import json
 from pathlib import Path
 from typing import Any
 
-from plait.planner import estimate_memory, estimate_traffic, traffic_by_kind
-from plait.train.plan_auto import layout_of_recipe, shape_of
-from plait.train.recipes import load_recipe
+from plait.planner import estimate_memory_by_rank, estimate_traffic, traffic_by_kind
+from plait.train import layout_of_recipe, load_recipe, shape_of
 
 HERE = Path(__file__).parent
 BAND = (0.9, 1.1)
 
 
-def estimate(entry: dict[str, Any]) -> tuple[float, dict[str, float]]:
-    """The planner's peak bytes and buffer bytes per collective kind for one measured layout."""
+def estimate(entry: dict[str, Any]) -> tuple[list[float], dict[str, float]]:
+    """The planner's peak bytes of every rank, and rank 0's buffer bytes per collective kind."""
     spec = entry["layout"]
+    world = spec["world_size"]
     recipe = load_recipe(spec["recipe"], spec["overrides"])
-    shape, layout = shape_of(recipe), layout_of_recipe(recipe, spec["world_size"], cpu=True)
-    return estimate_memory(shape, layout).peak, traffic_by_kind(estimate_traffic(shape, layout))
+    shape, layout = shape_of(recipe), layout_of_recipe(recipe, world, cpu=True)
+    by_pp = estimate_memory_by_rank(shape, layout)
+    peaks = [by_pp[rank // (world // layout.pp)].peak for rank in range(world)]  # pp is the outer axis
+    return peaks, traffic_by_kind(estimate_traffic(shape, layout, pp_rank=0))
 
 
-def measured(entry: dict[str, Any]) -> tuple[float, dict[str, float]]:
-    """The worst rank's peak and that rank's collective bytes by kind (recv counted with send)."""
-    rank = max(entry["ranks"], key=lambda r: r["peak_bytes"])
-    kinds = {k: v["bytes"] for k, v in rank["collectives"].items() if k not in ("recv", "broadcast")}
-    return float(rank["peak_bytes"]), kinds
+def measured(entry: dict[str, Any]) -> tuple[list[float], dict[str, float]]:
+    """Every rank's measured peak, and rank 0's collective bytes by kind (recv counted with send)."""
+    peaks = [float(r["peak_bytes"]) for r in sorted(entry["ranks"], key=lambda r: r["rank"])]
+    rank0 = min(entry["ranks"], key=lambda r: r["rank"])
+    kinds = {k: v["bytes"] for k, v in rank0["collectives"].items() if k not in ("recv", "broadcast")}
+    return peaks, kinds
 
 
 def rows(data: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -48,11 +51,14 @@ def rows(data: list[dict[str, Any]]) -> list[dict[str, Any]]:
             got, est = got_comm.get(kind, 0.0), est_comm.get(kind, 0.0)
             if max(got, est) > 1024:  # scalars (loss and token counts) are not the model's
                 comm[kind] = (est, got)
+        ratios = [e / g for e, g in zip(est_peak, got_peak, strict=True)]
+        worst = max(range(len(ratios)), key=lambda i: abs(ratios[i] - 1))
         out.append(
             {
                 "name": entry["layout"]["name"],
                 "world": entry["layout"]["world_size"],
-                "peak": (est_peak, got_peak),
+                "peak": (est_peak[worst], got_peak[worst]),
+                "ratios": (min(ratios), max(ratios)),
                 "comm": comm,
             }
         )
@@ -71,18 +77,23 @@ def main() -> None:
     parser.add_argument("--measured", default=str(HERE / "measured.json"))
     args = parser.parse_args()
     table = rows(json.loads(Path(args.measured).read_text()))
-    print("| layout | ranks | peak MiB est / measured | ratio | collectives: est / counted MiB (ratio) |")
+    print(
+        "| layout | ranks | peak MiB est / measured (rank furthest off) | ratio over ranks | collectives of rank 0: est / counted MiB (ratio) |"
+    )
     print("|---|---|---|---|---|")
     for row in table:
         est, got = row["peak"]
+        low, high = row["ratios"]
         comm = "; ".join(
             f"{k} {e / 2**20:.2f} / {g / 2**20:.2f} ({_ratio((e, g))})" for k, (e, g) in row["comm"].items()
         )
         print(
-            f"| {row['name']} | {row['world']} | {est / 2**20:.1f} / {got / 2**20:.1f} | {_ratio(row['peak'])} | {comm} |"
+            f"| {row['name']} | {row['world']} | {est / 2**20:.1f} / {got / 2**20:.1f} | {_ratio((low, 1.0))} to {_ratio((high, 1.0))} | {comm} |"
         )
-    inside = sum(BAND[0] <= e / g <= BAND[1] for r in table for e, g in [r["peak"], *r["comm"].values()] if g)
-    total = sum(1 for r in table for _ in [r["peak"], *r["comm"].values()])
+    pairs = [(r["ratios"][0], 1.0) for r in table] + [(r["ratios"][1], 1.0) for r in table]
+    pairs += [pair for r in table for pair in r["comm"].values()]
+    inside = sum(1 for e, g in pairs if g and BAND[0] <= e / g <= BAND[1])
+    total = len(pairs)
     print(f"\n{inside} of {total} ratios inside [{BAND[0]}, {BAND[1]}]")
 
 

@@ -44,6 +44,47 @@ SMALL = ["model.preset=small", "data.seq_len=512", "data.micro_batch_size=1"]
 """The ``small`` preset (25M parameters): parameters, gradients and AdamW state weigh next to activations."""
 
 
+RECIPE_BASE = [
+    f"data.seq_len={SEQ}",
+    "data.micro_batch_size=2",
+    "data.max_bytes=400000",
+    "train.steps=2",
+    "train.val_batches=1",
+]
+"""Shipped recipes keep their parallel settings; only the batch is enlarged (activations dominate)."""
+
+SHRUNK_8B = ["model.preset=tiny", "model.arch.num_attention_heads=8", "model.arch.num_key_value_heads=8"]
+"""llama3_8b's layout (tp 8 + SP, bf16, full AC) on the tiny shape with 8 heads: tp 8 divides them."""
+
+SHRUNK_DEEPSEEK = [
+    "model.hf_config.vocab_size=272",
+    "model.hf_config.hidden_size=128",
+    "model.hf_config.intermediate_size=256",
+    "model.hf_config.moe_intermediate_size=64",
+    "model.hf_config.num_hidden_layers=2",
+    "model.hf_config.num_attention_heads=4",
+    "model.hf_config.num_key_value_heads=4",
+    "model.hf_config.kv_lora_rank=32",
+    "model.hf_config.q_lora_rank=64",
+    "model.hf_config.qk_rope_head_dim=16",
+    "model.hf_config.qk_nope_head_dim=16",
+    "model.hf_config.v_head_dim=32",
+    "model.hf_config.n_routed_experts=8",
+    "model.hf_config.num_experts_per_tok=2",
+    "model.hf_config.first_k_dense_replace=1",
+    "model.hf_config.n_group=1",
+    "model.hf_config.topk_group=1",
+    "model.hf_config.max_position_embeddings=2048",
+    "parallel.pp_size=1",
+    "parallel.tp_size=2",
+    "parallel.cp_size=1",
+    "parallel.ep_size=2",
+    "data.seq_len=512",
+]
+"""deepseek_v3's techniques (tp + SP, ep, bf16, AC) at 4 ranks on a 2-layer shape; its 256-rank layout
+(pp 16 x tp 8 x cp 2 x ep 64) is priced by ``plan --auto`` only."""
+
+
 def _layout(name: str, world_size: int, *overrides: str, recipe: str = "dense_fsdp2") -> dict[str, Any]:
     return {"name": name, "recipe": recipe, "world_size": world_size, "overrides": [*BASE, *overrides]}
 
@@ -75,6 +116,54 @@ LAYOUTS: list[dict[str, Any]] = [
     _layout("small_fsdp2_w2_ac_full", 2, *SMALL, "parallel.activation_checkpointing=full"),
     _layout("small_fsdp2_w4", 4, *SMALL),
     _layout("small_fsdp2_tp2_w4", 4, *SMALL, "parallel.tp_size=2"),
+    _layout("bf16_fsdp2_w2", 2, "parallel.mixed_precision=bf16"),
+    _layout(
+        "bf16_tp2_sp_w4_ac_selective",
+        4,
+        "parallel.mixed_precision=bf16",
+        "parallel.tp_size=2",
+        "parallel.sequence_parallel=true",
+        "parallel.activation_checkpointing=selective",
+    ),
+    _layout("hsdp_w4", 4, "parallel.dp_replicate_size=2"),
+    _layout("small_hpz2_w4", 4, *SMALL, "parallel.options.reshard_after_forward=2"),
+    _layout("small_no_reshard_w2", 2, *SMALL, "parallel.options.reshard_after_forward=false"),
+    _layout("cp2_ring_w2", 2, "parallel.cp_size=2", "parallel.options.cp_attention=ring"),
+    _layout(
+        "cp2_tp2_sp_w4", 4, "parallel.cp_size=2", "parallel.tp_size=2", "parallel.sequence_parallel=true"
+    ),
+    _layout(
+        "fsdp2_tp2_cp2_w8",
+        8,
+        "parallel.cp_size=2",
+        "parallel.tp_size=2",
+        "parallel.activation_checkpointing=full",
+    ),
+    _layout("fsdp2_w8", 8),
+    _layout("accum2_w2", 2, "train.grad_accum=2", "data.micro_batch_size=1"),
+    _layout(
+        "moe_ep2_tp2_sp_w4",
+        4,
+        "parallel.ep_size=2",
+        "parallel.tp_size=2",
+        "parallel.sequence_parallel=true",
+        "parallel.activation_checkpointing=full",
+        recipe="moe_ep",
+    ),
+    *(
+        {"name": f"recipe_{name}", "recipe": name, "world_size": world, "overrides": [*RECIPE_BASE, *extra]}
+        for name, world, extra in (
+            ("dense_fsdp2", 2, []),
+            ("fsdp_tp_sp", 4, []),
+            ("hsdp", 4, []),
+            ("moe_ep", 2, []),
+            ("pipeline", 4, ["data.micro_batch_size=4", "data.seq_len=512"]),
+            ("dense_4d", 8, []),
+            ("hf_llama", 2, []),
+            ("llama3_8b", 8, SHRUNK_8B),
+            ("deepseek_v3", 4, SHRUNK_DEEPSEEK),
+        )
+    ),
 ]
 """The measured layouts: name, recipe, world size and the recipe overrides."""
 

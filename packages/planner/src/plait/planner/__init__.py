@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from plait.planner.cluster import GIB, GPU_PRESETS, Cluster, cluster
 from plait.planner.layout import AC_MODES, CP_VARIANTS, PP_SCHEDULES, Layout, refusal
-from plait.planner.memory import MemoryEstimate, StageShare, estimate_memory, stage_shares
+from plait.planner.memory import MemoryEstimate, estimate_memory, estimate_memory_by_rank
+from plait.planner.params import ParamSizes, StageShare, param_sizes, stage_shares
 from plait.planner.search import Candidate, SearchResult, evaluate, search
 from plait.planner.shape import ModelShape
 from plait.planner.timing import StepTime, estimate_time
@@ -26,15 +27,18 @@ __all__ = [
     "Collective",
     "Layout",
     "MemoryEstimate",
+    "ParamSizes",
     "ModelShape",
     "SearchResult",
     "StageShare",
     "StepTime",
     "cluster",
     "estimate_memory",
+    "estimate_memory_by_rank",
     "estimate_time",
     "estimate_traffic",
     "evaluate",
+    "param_sizes",
     "refusal",
     "search",
     "stage_shares",

@@ -10,49 +10,12 @@ from dataclasses import dataclass
 
 from plait.planner.activations import layer_saved_bytes, layer_work_bytes, model_saved_bytes
 from plait.planner.layout import Layout
+from plait.planner.params import StageShare, param_sizes, stage_shares
 from plait.planner.shape import ModelShape
 
-__all__ = ["MemoryEstimate", "StageShare", "estimate_memory", "param_sizes", "stage_shares"]
+__all__ = ["MemoryEstimate", "estimate_memory", "estimate_memory_by_rank"]
 
 _F32 = 4
-
-
-@dataclass(frozen=True)
-class StageShare:
-    """What one pipeline rank holds: its layers (dense and MoE), and the embedding or head."""
-
-    pp_rank: int
-    dense_layers: int
-    moe_layers: int
-    embedding: bool
-    head: bool
-
-
-def _layers_per_stage(layers: int, stages: int) -> list[int]:
-    base, extra = divmod(layers, stages)
-    return [base + (1 if i < extra else 0) for i in range(stages)]
-
-
-def stage_shares(shape: ModelShape, layout: Layout) -> list[StageShare]:
-    """The first and last pipeline rank's share (one entry without pipeline parallel)."""
-    counts = _layers_per_stage(shape.num_layers, layout.stages)
-    firsts = [sum(counts[:i]) for i in range(layout.stages)]
-    v_shape = layout.pp_schedule == "zbv_zero_bubble"
-    shares = []
-    for rank in sorted({0, layout.pp - 1}):
-        if v_shape:
-            stages = [rank, 2 * layout.pp - 1 - rank]
-        else:
-            stages = [rank + j * layout.pp for j in range(layout.stages_per_rank)]
-        dense = moe = 0
-        for s in stages:
-            for layer in range(firsts[s], firsts[s] + counts[s]):
-                if shape.moe and layer >= shape.dense_layers:
-                    moe += 1
-                else:
-                    dense += 1
-        shares.append(StageShare(rank, dense, moe, 0 in stages, layout.stages - 1 in stages))
-    return shares
 
 
 @dataclass
@@ -69,7 +32,7 @@ class MemoryEstimate:
     loss: float
     """Logits and the cross-entropy's saved and gradient buffers."""
     transient: float
-    """Backward of the first layer: its recompute (checkpointed), its gradients in compute dtype."""
+    """One layer's backward: its recompute (checkpointed) or its activation gradients, its weight gradients."""
     pp_rank: int = 0
     accumulating: bool = False
     """Gradients live through the forward (``grad_accum`` > 1): FSDP holds them unsharded until the last."""
@@ -78,7 +41,7 @@ class MemoryEstimate:
     def peak(self) -> float:
         """Peak bytes over the step: the start of backward, mid-backward, or the optimizer step."""
         resident = self.parameters + self.optimizer + (self.gradients if self.accumulating else 0.0)
-        start = resident + self.gathered + self.activations + self.loss
+        start = resident + self.gathered + self.activations + max(self.loss, self.transient)
         # A checkpointed backward peaks mid-way: half the saved inputs are left, half the gradients made.
         middle = resident + self.gathered + (self.activations + self.gradients) / 2 + self.transient
         step = self.parameters + self.optimizer + self.gradients + self.parameters / 4
@@ -88,22 +51,6 @@ class MemoryEstimate:
         """Every term and the peak, in bytes."""
         terms = ("parameters", "gradients", "optimizer", "gathered", "activations", "loss", "transient")
         return {**{t: getattr(self, t) for t in terms}, "peak": self.peak}
-
-
-def param_sizes(shape: ModelShape, layout: Layout, share: StageShare) -> tuple[float, float, float]:
-    """``(sharded parameters on this rank, largest unit's unsharded size, root unit's unsharded size)``."""
-    t, h = layout.tp, shape.hidden_size
-    attn = shape.attention_params() / t + 2 * h
-    dense_unit = attn + shape.dense_mlp_params() / t
-    expert_ranks = layout.dp_shard * layout.cp * (t if layout.ep > 1 else 1)
-    experts_gathered = shape.expert_params() / layout.ep
-    moe_unit = attn + shape.moe_dense_params() + experts_gathered
-    root = (shape.vocab_size * h / t) * (int(share.embedding) + int(share.head and not shape.tied_embeddings))
-    root += h if share.head else 0
-    dense_part = share.dense_layers * dense_unit + share.moe_layers * (attn + shape.moe_dense_params()) + root
-    local = dense_part / layout.fsdp + share.moe_layers * shape.expert_params() / expert_ranks
-    largest = max(dense_unit if share.dense_layers else 0.0, moe_unit if share.moe_layers else 0.0)
-    return local, largest, root
 
 
 def _in_flight(layout: Layout, pp_rank: int) -> float:
@@ -145,7 +92,8 @@ def _loss_bytes(shape: ModelShape, layout: Layout, tokens: float) -> float:
 
 def _estimate_share(shape: ModelShape, layout: Layout, share: StageShare) -> MemoryEstimate:
     e = 2 if layout.bf16 else 4
-    local, largest, root = param_sizes(shape, layout, share)
+    sizes = param_sizes(shape, layout, share)
+    local, largest, root = sizes.local, sizes.largest_unit, sizes.root
     tokens = layout.micro_batch / layout.pp_microbatches * layout.seq_len / layout.cp
     flight = _in_flight(layout, share.pp_rank) * layout.stages_per_rank
     layer_saves = share.dense_layers * layer_saved_bytes(shape, layout, False)
@@ -153,14 +101,22 @@ def _estimate_share(shape: ModelShape, layout: Layout, share: StageShare) -> Mem
     layer_saves /= layout.stages_per_rank
     activations = tokens * flight * (layer_saves + model_saved_bytes(shape, layout))
     first_moe = share.moe_layers > 0
-    work = layer_work_bytes(shape, layout, first_moe) if layout.ac != "none" else 0.0
-    # A layer's backward: its recompute and half as much again in activation gradients (measured),
-    # its weight gradients in compute dtype and the fp32 reduce-scatter input.
+    # A layer's backward: its recompute and half as much again in activation gradients (measured), or
+    # without checkpointing two activation gradients as wide as its MLP and two of the hidden size;
+    # then its weight gradients in compute dtype and the fp32 reduce-scatter input.
+    if layout.ac != "none":  # selective recomputes only what it did not save
+        saved = layer_saved_bytes(shape, layout, first_moe) if layout.ac == "selective" else 0.0
+        work = 1.5 * (layer_work_bytes(shape, layout, first_moe) - saved)
+    else:
+        width = (
+            shape.experts_per_token * shape.moe_intermediate_size if first_moe else shape.intermediate_size
+        )
+        work = 2 * e * (width / (1 if first_moe else layout.tp) + shape.hidden_size)
     grads_in_compute = e * largest + (_F32 * largest if layout.bf16 or layout.fsdp > 1 else 0.0)
     units = share.dense_layers + share.moe_layers
     # FSDP skips the reduction until the last micro-batch (or pipeline microbatch): unsharded fp32 gradients.
     accumulating = layout.grad_accum > 1 or layout.pp_microbatches > 1
-    unsharded = local * layout.fsdp if accumulating else local
+    unsharded = sizes.unsharded if accumulating else local
     return MemoryEstimate(
         parameters=_F32 * local,
         gradients=_F32 * unsharded,
@@ -168,7 +124,7 @@ def _estimate_share(shape: ModelShape, layout: Layout, share: StageShare) -> Mem
         gathered=_gathered(layout, units, largest, root),
         activations=activations,
         loss=_loss_bytes(shape, layout, tokens) if share.head else 0.0,
-        transient=1.5 * tokens * work + grads_in_compute,
+        transient=tokens * work + grads_in_compute,
         pp_rank=share.pp_rank,
         accumulating=accumulating,
     )
@@ -177,3 +133,8 @@ def _estimate_share(shape: ModelShape, layout: Layout, share: StageShare) -> Mem
 def estimate_memory(shape: ModelShape, layout: Layout) -> MemoryEstimate:
     """The worst pipeline rank's memory over one step of ``layout`` for ``shape``."""
     return max((_estimate_share(shape, layout, s) for s in stage_shares(shape, layout)), key=lambda m: m.peak)
+
+
+def estimate_memory_by_rank(shape: ModelShape, layout: Layout) -> list[MemoryEstimate]:
+    """Every pipeline rank's memory (index = pp rank; one entry without pipeline parallel)."""
+    return [_estimate_share(shape, layout, s) for s in stage_shares(shape, layout, every_rank=True)]

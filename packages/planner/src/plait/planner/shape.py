@@ -66,7 +66,9 @@ class ModelShape:
         heads = int(_get(text, "num_attention_heads"))
         experts = int(_get(text, *_EXPERT_KEYS, default=0))
         # Mixtral's experts are intermediate_size wide (it has no moe_intermediate_size).
-        moe_width = int(_get(text, "moe_intermediate_size", default=0) or _get(text, "intermediate_size", default=0))
+        moe_width = int(
+            _get(text, "moe_intermediate_size", default=0) or _get(text, "intermediate_size", default=0)
+        )
         shared = int(_get(text, "shared_expert_intermediate_size", default=0))
         shared = shared or int(_get(text, "n_shared_experts", default=0)) * moe_width
         kv_lora = int(_get(text, "kv_lora_rank", default=0))

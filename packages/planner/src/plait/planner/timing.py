@@ -57,6 +57,8 @@ def _span(layout: Layout, axis: str) -> int:
     """Consecutive ranks a group over ``axis`` spans (its size times the axes inside it)."""
     if axis == "ep":  # ep is carved from dp_shard x cp x tp, innermost
         return layout.ep
+    if axis == "ep_shard":
+        return layout.dp_shard * layout.cp * layout.tp
     span = 1
     for name in _AXIS_ORDER:
         span *= getattr(layout, name)

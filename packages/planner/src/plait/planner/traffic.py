@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.planner.layout import Layout
-from plait.planner.memory import StageShare, param_sizes, stage_shares
+from plait.planner.params import StageShare, param_sizes, stage_shares
 from plait.planner.shape import ModelShape
 
 __all__ = ["Collective", "estimate_traffic", "traffic_by_kind"]
@@ -43,30 +43,39 @@ class Collective:
         return factor * self.buffer
 
 
-def _fsdp(shape: ModelShape, layout: Layout, share: StageShare) -> list[Collective]:
-    e = 2 if layout.bf16 else 4
-    local, _, root = param_sizes(shape, layout, share)
-    if layout.ep > 1 and layout.ep_shard == 1:  # experts sharded by ep alone: FSDP never gathers them
-        local -= share.moe_layers * shape.expert_params() / (layout.dp_shard * layout.cp * layout.tp)
-    units = share.dense_layers + share.moe_layers
-    n = layout.fsdp
-    if n == 1:
+def _sharded(layout: Layout, local: float, units: int, n: int, root: float, axis: str) -> list[Collective]:
+    """One FSDP mesh's gathers (forward, and backward for resharded units) and reductions."""
+    if n == 1 or local == 0:
         return []
-    regather = 0 if layout.pp > 1 or layout.reshard is False else units - 1
+    e = 2 if layout.bf16 else 4
     passes = layout.grad_accum if layout.pp == 1 else 1
-    out = [Collective("all_gather", "dp_shard", n, e * local * passes, (units + 1) * passes, "compute")]
+    out = [Collective("all_gather", axis, n, e * local * passes, (units + 1) * passes, "compute")]
+    regather = 0 if layout.pp > 1 or layout.reshard is False else units - 1
     if regather:
         group = layout.reshard if not isinstance(layout.reshard, bool) else n
         per_unit = e * (local - root / n) / units
-        out.append(
-            Collective(
-                "all_gather", "dp_shard", group, per_unit * regather * passes * n / group, regather, "compute"
-            )
-        )
-    out.append(Collective("reduce_scatter", "dp_shard", n, _F32 * local * n, units + 1, "compute"))
+        buffer = per_unit * regather * passes * n / group
+        out.append(Collective("all_gather", axis, group, buffer, regather * passes, "compute"))
+    out.append(Collective("reduce_scatter", axis, n, _F32 * local * n, units + 1, "compute"))
+    return out
+
+
+def _fsdp(shape: ModelShape, layout: Layout, share: StageShare) -> list[Collective]:
+    """Dense weights over dp_shard x cp; experts under ep over ep_shard (never gathered when it is 1)."""
+    sizes = param_sizes(shape, layout, share)
+    units = share.dense_layers + share.moe_layers
+    if layout.ep > 1:
+        dense, experts = sizes.dense_local, sizes.expert_local
+        out = _sharded(layout, dense, units, layout.fsdp, sizes.root, "dp_shard")
+        out += _sharded(layout, experts, share.moe_layers, layout.ep_shard, 0.0, "ep_shard")
+    else:
+        dense = sizes.local
+        out = _sharded(layout, dense, units, layout.fsdp, sizes.root, "dp_shard")
     if layout.dp_replicate > 1:
         out.append(
-            Collective("all_reduce", "dp_replicate", layout.dp_replicate, _F32 * local, units + 1, "compute")
+            Collective(
+                "all_reduce", "dp_replicate", layout.dp_replicate, _F32 * sizes.local, units + 1, "compute"
+            )
         )
     return out
 
@@ -134,9 +143,12 @@ def _pp(shape: ModelShape, layout: Layout, tokens: float) -> list[Collective]:
     return [Collective("send", "pp", 2, calls * per, calls, "")]
 
 
-def estimate_traffic(shape: ModelShape, layout: Layout) -> list[Collective]:
-    """Every collective the worst-loaded rank issues in one optimizer step."""
-    share = max(stage_shares(shape, layout), key=lambda s: (s.dense_layers + s.moe_layers, s.embedding))
+def estimate_traffic(shape: ModelShape, layout: Layout, *, pp_rank: int | None = None) -> list[Collective]:
+    """Every collective one rank issues in one optimizer step: the worst-loaded, or pipeline rank ``pp_rank``."""
+    if pp_rank is not None:
+        share = stage_shares(shape, layout, every_rank=True)[pp_rank]
+    else:
+        share = max(stage_shares(shape, layout), key=lambda s: (s.dense_layers + s.moe_layers, s.embedding))
     tokens = layout.micro_batch / layout.pp_microbatches * layout.seq_len / layout.cp
     per_forward = tokens * layout.pp_microbatches * layout.grad_accum
     return [

@@ -238,9 +238,7 @@ def measure_step(recipe_name: str, overrides: list[str], run_dir: str) -> dict[s
         collectives (kind -> count, bytes, by_group), collective_ops, step_loss.
     """
     from plait.mesh import DistributedInfo
-    from plait.train.recipes import load_recipe
-    from plait.train.setup import check_recipe
-    from plait.train.trainer import Trainer
+    from plait.train import Trainer, check_recipe, load_recipe
 
     recipe = load_recipe(recipe_name, [*overrides, f"out_dir={run_dir}"])
     rank, world = dist.get_rank(), dist.get_world_size()
