@@ -111,3 +111,21 @@ def test_materialize_gives_the_same_full_weights_on_any_mesh_as_unsharded():
             assert result.keys() == reference.keys()
             for name, tensor in reference.items():
                 assert torch.equal(result[name], tensor), (tp, name)
+
+
+class _Router(nn.Module):
+    """A router with its own weight and a buffer its constructor computes (DeepseekV3TopkRouter's shape)."""
+
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config["experts"], 4))
+        self.register_buffer("bias", torch.full((config["experts"],), 3.0))
+
+
+def test_materialize_recomputes_the_buffers_of_a_module_with_its_own_weights() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(_Router({"experts": 8}))
+    materialize(model, seed=7)
+    assert torch.equal(model[0].bias, torch.full((8,), 3.0))
+    assert not model[0].weight.is_meta

@@ -204,10 +204,20 @@ class _BiasedRouter(nn.Module):
         return values.softmax(-1).sum(-1, keepdim=True)
 
 
+class _GroupMaskRouter(_BiasedRouter):
+    """Builds its top-k mask in place, as transformers' DeepseekV3TopkRouter does (zeros, then scatter_)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.proj(x) + self.bias
+        mask = torch.zeros_like(scores)
+        mask.scatter_(-1, scores.topk(2, dim=-1).indices, 1.0)
+        return (scores.softmax(-1) * mask).sum(-1, keepdim=True)
+
+
 class _RoutedMlp(nn.Module):
-    def __init__(self, hidden: int) -> None:
+    def __init__(self, hidden: int, router: type[nn.Module] = _BiasedRouter) -> None:
         super().__init__()
-        self.router = _BiasedRouter(hidden)
+        self.router = router(hidden)
         self.up = nn.Linear(hidden, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -215,11 +225,11 @@ class _RoutedMlp(nn.Module):
 
 
 class _RoutedLayer(nn.Module):
-    def __init__(self, hidden: int = 32) -> None:
+    def __init__(self, hidden: int = 32, router: type[nn.Module] = _BiasedRouter) -> None:
         super().__init__()
         self.input_layernorm = nn.LayerNorm(hidden)
         self.self_attn = _Attention(hidden, heads=4)
-        self.mlp = _RoutedMlp(hidden)
+        self.mlp = _RoutedMlp(hidden, router)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x))
@@ -227,9 +237,9 @@ class _RoutedLayer(nn.Module):
 
 
 class _RoutedModel(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, router: type[nn.Module] = _BiasedRouter) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(_RoutedLayer() for _ in range(2))
+        self.layers = nn.ModuleList(_RoutedLayer(router=router) for _ in range(2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -253,10 +263,12 @@ _SAVE_INSIDE_CASES = [{}, {"whole_layer": True}, {"mode": "selective"}]
 _SAVE_INSIDE_IDS = ["full", "full-whole-layer", "selective"]
 
 
-def _routed(save_routers: bool, **kwargs: Any) -> tuple[nn.Module, nn.Module, list[nn.Module]]:
+def _routed(
+    save_routers: bool, router: type[nn.Module] = _BiasedRouter, **kwargs: Any
+) -> tuple[nn.Module, nn.Module, list[nn.Module]]:
     """A plain 2-layer routed model and its checkpointed copy (routers as ``save_inside`` when asked)."""
     torch.manual_seed(0)
-    plain = _RoutedModel()
+    plain = _RoutedModel(router)
     model = copy.deepcopy(plain)
     routers = [layer.get_submodule("mlp.router") for layer in model.layers]
     save_inside = routers if save_routers else ()
@@ -295,6 +307,23 @@ def test_the_recompute_reuses_the_saved_router_outputs(kwargs: dict) -> None:
     for name, grad in grads[0].items():
         assert torch.equal(grad, grads[1][name]), name
     assert any(not torch.equal(grad, grads[2][name]) for name, grad in grads[0].items())
+
+
+@pytest.mark.parametrize("kwargs", _SAVE_INSIDE_CASES, ids=_SAVE_INSIDE_IDS)
+def test_a_router_that_fills_a_fresh_tensor_in_place_is_saved(kwargs: dict) -> None:
+    """Saving a router's ``zeros_like`` would cache a tensor its ``scatter_`` then mutates; the mask is
+    rebuilt from the saved top-k, so a router changed before backward still routes as in forward."""
+    plain, saved, routers = _routed(True, _GroupMaskRouter, **kwargs)
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(5))
+    losses = [model(x).square().mean() for model in (plain, saved)]
+    with torch.no_grad():
+        for router in routers:
+            router.bias.copy_(torch.linspace(-3.0, 3.0, 8))
+    for loss in losses:
+        loss.backward()
+    grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in saved.named_parameters()}
+    for name, param in plain.named_parameters():
+        assert torch.equal(param.grad, grads[name]), name
 
 
 def _with_op_policy(model: nn.Module) -> set[str]:

@@ -80,8 +80,11 @@ SHRUNK_DEEPSEEK = [
     "parallel.cp_size=1",
     "parallel.ep_size=2",
     "data.seq_len=512",
+    "parallel.activation_checkpointing=false",
 ]
-"""deepseek_v3's techniques (tp + SP, ep, bf16, AC) at 4 ranks on a 2-layer shape; its 256-rank layout
+"""deepseek_v3's techniques (tp + SP, ep, bf16) at 4 ranks on a 2-layer shape, without AC: with it,
+transformers' DeepseekV3TopkRouter divides its saved top-k weights in place, which torch's selective
+checkpoint refuses ("Tensor cached ... has been mutated"; not yet handled). Its 256-rank layout
 (pp 16 x tp 8 x cp 2 x ep 64) is priced by ``plan --auto`` only."""
 
 

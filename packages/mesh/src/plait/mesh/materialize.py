@@ -110,6 +110,28 @@ def _copy_shard(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
+_REBUILD_LIMIT = 1 << 26
+"""Elements a module (with its children) may have for its buffers to be recomputed by building it on CPU."""
+
+
+def _template(module: nn.Module, model: nn.Module) -> nn.Module | None:
+    """A CPU copy of a small ``module`` built from its config, or from the model's (transformers'
+    DeepseekV3TopkRouter takes the model config, keeps none, and holds a weight and a score bias);
+    None when it is too large or its constructor does not take that config."""
+    if sum(p.numel() for p in module.parameters()) > _REBUILD_LIMIT:
+        return None
+    root = getattr(model, "config", None)
+    for config in (getattr(module, "config", None), getattr(root, "text_config", None), root):
+        if config is None:
+            continue
+        try:
+            with torch.device("cpu"):
+                return type(module)(config)
+        except (TypeError, AttributeError):
+            continue
+    return None
+
+
 def _reset_buffers(model: nn.Module, names: set[str]) -> None:
     owners: dict[str, nn.Module] = {}
     for name in names:
@@ -117,12 +139,11 @@ def _reset_buffers(model: nn.Module, names: set[str]) -> None:
         owners[owner_name] = model.get_submodule(owner_name)
     for owner_name, module in owners.items():
         reset = getattr(module, "reset_buffers", None)
+        template = None if callable(reset) else _template(module, model)
         if callable(reset):
             reset()
-        elif hasattr(module, "config") and not list(module.parameters(recurse=False)):
+        elif template is not None:
             device = next(module.buffers()).device
-            with torch.device("cpu"):
-                template = type(module)(module.config)
             for key, value in template.named_buffers(recurse=False):
                 getattr(module, key).copy_(value.to(device))
         else:

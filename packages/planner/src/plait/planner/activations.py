@@ -37,6 +37,11 @@ def _attention(shape: ModelShape, layout: Layout) -> float:
     if layout.gqa_expanded:
         kv = v = q
     saved = e * (2 * q + kv + v) + _F32 * shape.num_heads / t
+    if shape.kv_lora_rank:  # MLA: the low-rank projections and their norms, the expanded K/V, the q/k concat
+        low = shape.q_lora_rank + shape.kv_lora_rank
+        saved += (3 * e + _F32) * low + e * shape.rope_head_dim
+        saved += e * (shape.num_heads * (shape.head_dim - shape.rope_head_dim) + shape.v_width) / t
+        saved += 2 * e * q
     if cp > 1 and layout.cp_variant == "all_gather":
         saved += e * (kv + v) * (cp - 1)  # every cp rank's K and V, gathered
     elif cp > 1 and layout.cp_variant == "ring":

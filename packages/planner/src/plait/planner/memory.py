@@ -113,6 +113,8 @@ def _estimate_share(shape: ModelShape, layout: Layout, share: StageShare) -> Mem
         )
         work = 2 * e * (width / (1 if first_moe else layout.tp) + shape.hidden_size)
     grads_in_compute = e * largest + (_F32 * largest if layout.bf16 or layout.fsdp > 1 else 0.0)
+    if layout.sp:  # the gradients of a gathered input and of an output before its reduce-scatter: whole
+        work += 2 * e * shape.hidden_size
     units = share.dense_layers + share.moe_layers
     # FSDP skips the reduction until the last micro-batch (or pipeline microbatch): unsharded fp32 gradients.
     accumulating = layout.grad_accum > 1 or layout.pp_microbatches > 1

@@ -86,17 +86,20 @@ def _tp(shape: ModelShape, layout: Layout, share: StageShare, tokens: float) -> 
     if t == 1:
         return []
     layers = share.dense_layers + share.moe_layers
-    recompute = 2 if layout.ac == "full" else 0
+    # A full-AC recompute stops once backward has what it needs (torch's early stop): under SP it
+    # gathers the attention and MLP inputs again, without SP it reduces nothing again (measured).
+    full = layout.ac == "full"
     act = tokens * shape.hidden_size * e
     ends = int(share.embedding) + int(share.head)  # the embedding's forward, the head's backward
     if layout.sp:
-        calls = layers * (4 + recompute) + ends
+        scatters = layers * 4 + ends
+        gathers = scatters + (2 * layers if full else 0)
         return [
-            Collective("all_gather", "tp", t, calls * act / t, calls, ""),
-            Collective("reduce_scatter", "tp", t, calls * act, calls, ""),
+            Collective("all_gather", "tp", t, gathers * act / t, gathers, ""),
+            Collective("reduce_scatter", "tp", t, scatters * act, scatters, ""),
         ]
     # Without SP each projection's input gradient is reduced on its own: q, k, v and gate, up.
-    calls = layers * (2 + 5 + recompute) + ends
+    calls = layers * (2 + 5) + ends
     return [Collective("all_reduce", "tp", t, calls * act, calls, "")]
 
 
@@ -114,9 +117,9 @@ def _cp(shape: ModelShape, layout: Layout, share: StageShare, tokens: float) -> 
         ]
     if layout.cp_variant == "ring":  # K/V passed cp-1 times per forward and backward, fp32 dK/dV too
         steps = layers * (cp - 1) * (forwards + 1)
-        return [
-            Collective("send", "cp", cp, steps * kv + layers * (cp - 1) * kv * _F32 / e, steps, "attention")
-        ]
+        width = 2 * shape.q_width if layout.gqa_expanded else shape.kv_width + shape.v_width
+        grads = layers * (cp - 1) * tokens * width / layout.tp * _F32  # at the kernel's (repeated) heads
+        return [Collective("send", "cp", cp, steps * kv + grads, steps, "attention")]
     qo = tokens * 2 * shape.q_width / layout.tp * e
     calls = layers * (forwards + 1) * 4
     return [Collective("all_to_all", "cp", cp, layers * (forwards + 1) * (kv + qo), calls, "")]

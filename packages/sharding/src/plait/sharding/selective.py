@@ -40,6 +40,33 @@ _COLLECTIVE_OPS: frozenset[Any] = _existing(
 
 _ALWAYS_SAVED = _ATTENTION_OPS | _COLLECTIVE_OPS
 
+_FACTORY_OPS: frozenset[Any] = frozenset(
+    getattr(packet, overload)
+    for name in (
+        "zeros",
+        "zeros_like",
+        "ones",
+        "ones_like",
+        "empty",
+        "empty_like",
+        "full",
+        "full_like",
+        "new_zeros",
+        "new_ones",
+        "new_empty",
+        "new_full",
+        "arange",
+        "scalar_tensor",
+    )
+    if (packet := getattr(torch.ops.aten, name, None)) is not None
+    for overload in packet.overloads()
+)
+"""Ops that make a fresh tensor from shapes alone. Inside ``save_inside`` modules they, and the
+in-place ops that fill them, are recomputed: transformers' DeepseekV3TopkRouter builds its group mask
+with ``zeros_like`` then ``scatter_``, and a cached mask would be mutated ("Tensor cached during
+selective activation checkpoint has been mutated"). The recompute rebuilds the mask from the saved
+top-k indices, so the routing is still the forward's."""
+
 _PROFILER_OPS: frozenset[Any] = frozenset(
     getattr(getattr(torch.ops.profiler, name), overload)
     for name, overload in (
@@ -91,7 +118,8 @@ def selective_policy(
 ) -> Callable[..., CheckpointPolicy]:
     """Return a fresh op-level policy for ``create_selective_checkpoint_contexts``.
 
-    In order: every op run inside a ``save_inside`` module is saved; then, with ``selective``, the
+    In order: every op run inside a ``save_inside`` module is saved (but those that only make a fresh
+    tensor, :data:`_FACTORY_OPS`); then, with ``selective``, the
     1st, 3rd, ... matmul of each checkpointed call, attention kernels and functional collectives are
     saved; everything else is recomputed. The forward and the recompute keep separate matmul counters, so both walk the same
     sequence and agree on which matmuls were saved (torch versions that consult the policy again
@@ -101,7 +129,8 @@ def selective_policy(
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if save_inside is not None and save_inside.depth:
-            return CheckpointPolicy.MUST_SAVE
+            fresh = op in _FACTORY_OPS or op._schema.is_mutable  # see _FACTORY_OPS
+            return CheckpointPolicy.PREFER_RECOMPUTE if fresh else CheckpointPolicy.MUST_SAVE
         if not selective:
             return CheckpointPolicy.PREFER_RECOMPUTE
         if op in _MATMUL_OPS:
