@@ -111,3 +111,17 @@ def test_estimate_is_within_ten_percent_of_the_measured_step(name: str, tmp_path
     for kind, got in got_comm.items():
         if got > 1 << 20:  # scalars (token counts, loss-parallel statistics) are not modelled
             assert 0.9 <= est_comm.get(kind, 0.0) / got <= 1.1, (kind, est_comm, got_comm)
+
+
+def test_the_moe_hand_search_rejects_by_how_much_and_proposes_a_cluster_that_fits(capsys) -> None:
+    """NeMo's hand-tried MoE layouts, from config alone: each listed with its peak, or refused."""
+    from plait.train.cli import main
+
+    config = str(Path(__file__).parents[2] / "docs" / "examples" / "mixtral_8x22b_config.json")
+    args = ["--hf-config", config, "--nodes", "4", "--seq-len", "4096", "--global-tokens", "1048576"]
+    considers = ["--consider", "pp=4,ep=8", "--consider", "pp=4,ep=8,dp_replicate=2", "--consider", "pp=8,ep=8"]
+    assert main(["plan", "--auto", *args, *considers]) == 0
+    out = capsys.readouterr().out
+    assert "considered pp=4,ep=8: closest:" in out and "out of memory by" in out
+    assert "considered pp=8,ep=8: not legal: ep does not divide the non-pipeline ranks" in out
+    assert "fits on 8 nodes (64 GPUs) at this batch:" in out

@@ -7,6 +7,7 @@ layout into a recipe the trainer runs as it is.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -131,6 +132,17 @@ def _rejections(result: SearchResult) -> list[str]:
     return lines
 
 
+def _larger_cluster(shape: ModelShape, cluster: Cluster, global_tokens: int, seq_len: int) -> list[str]:
+    """Where nothing fits: the smallest multiple of the node count (up to 16x) on which a layout does."""
+    for factor in (2, 4, 8, 16):
+        bigger = dataclasses.replace(cluster, nodes=cluster.nodes * factor)
+        found = search(shape, bigger, global_tokens=global_tokens, seq_len=seq_len, top=1).candidates
+        if found and found[0].fits:
+            head = f"fits on {bigger.nodes} nodes ({bigger.world_size} GPUs) at this batch:"
+            return [head, *_candidate_lines(found[0], bigger)]
+    return [f"no layout fits on up to {cluster.nodes * 16} nodes at this batch"]
+
+
 def auto_plan(
     shape: ModelShape,
     cluster: Cluster,
@@ -154,11 +166,16 @@ def auto_plan(
     for c in result.candidates:
         lines += _candidate_lines(c, cluster)
     lines += _rejections(result)
+    if not (result.candidates and result.candidates[0].fits):
+        lines += _larger_cluster(shape, cluster, global_tokens, seq_len)
     for pin in considers or []:
         pinned = search(shape, cluster, global_tokens=global_tokens, seq_len=seq_len, pin=pin, top=1)
         label = ",".join(f"{k}={v}" for k, v in pin.items())
         if not pinned.candidates:
-            reasons = "; ".join(f"{r} ({n})" for r, n in pinned.rejected.most_common(2)) or "no layout"
+            reasons = "; ".join(f"{r} ({n})" for r, n in pinned.rejected.most_common(2)) or (
+                f"no layout has these sizes on {cluster.world_size} GPUs (pp x dp_replicate x dp_shard x cp x tp "
+                "must equal the GPU count)"
+            )
             lines.append(f"considered {label}: not legal: {reasons}")
             continue
         lines.append(f"considered {label}: {'best' if pinned.candidates[0].fits else 'closest'}:")

@@ -83,8 +83,9 @@ class Layout:
 
     @property
     def ep_shard(self) -> int:
-        """Ranks one expert's weights are sharded over: ``dp_shard * cp * tp // ep``."""
-        return self.dp_shard * self.cp * self.tp // self.ep
+        """Ranks one expert's weights are sharded over: ``dp * cp * tp // ep`` (HSDP replicas included:
+        plait carves ep from every non-pipeline rank)."""
+        return self.dp * self.cp * self.tp // self.ep
 
     @property
     def stages(self) -> int:
@@ -159,8 +160,8 @@ def refusal(layout: Layout, shape: ModelShape) -> str | None:
             f"experts not divisible: {shape.num_experts} experts over ep {layout.ep}",
         ),
         (
-            layout.ep > 1 and (layout.dp_shard * layout.cp * layout.tp) % layout.ep != 0,
-            f"ep does not divide dp_shard*cp*tp: ep {layout.ep}",
+            layout.ep > 1 and (layout.dp * layout.cp * layout.tp) % layout.ep != 0,
+            f"ep does not divide the non-pipeline ranks dp*cp*tp: ep {layout.ep}",
         ),
         (layout.seq_len % (2 * layout.cp) != 0, f"sequence not divisible: {layout.seq_len} over 2*cp"),
         (

@@ -82,18 +82,28 @@ def _pipelines(shape: ModelShape, pp: int, sequences: int) -> Iterator[dict[str,
             yield {"pp_schedule": "interleaved_1f1b", "pp_microbatches": m, "stages_per_rank": 2}
 
 
+def _choices(pin: Mapping[str, int], axis: str, searched: list[int]) -> list[int]:
+    """A pinned size alone (searched or not), else the searched sizes."""
+    return [pin[axis]] if axis in pin else searched
+
+
 def _sizes(
     shape: ModelShape, cluster: Cluster, seq_len: int, pin: Mapping[str, int]
 ) -> Iterator[dict[str, int]]:
     world, node = cluster.world_size, cluster.gpus_per_node
-    for tp in _divisors(node, _powers(node)):
-        for cp in _powers(min(world // tp, max(1, seq_len // MIN_CP_TOKENS))):
-            for pp in _divisors(world // (tp * cp), _powers(min(shape.num_layers, world))):
+    for tp in _choices(pin, "tp", _divisors(node, _powers(node))):
+        for cp in _choices(pin, "cp", _powers(min(world // tp, max(1, seq_len // MIN_CP_TOKENS)))):
+            for pp in _choices(pin, "pp", _powers(min(shape.num_layers, world))):
+                if world % (tp * cp * pp):
+                    continue
                 dp = world // (tp * cp * pp)
                 in_node = max(1, node // (tp * cp))  # HSDP: shard within a node, replicate across
-                for dp_replicate in sorted({1, dp // in_node} if dp % in_node == 0 and dp > in_node else {1}):
-                    experts = [pin["ep"]] if "ep" in pin else _powers(min(shape.num_experts, MAX_EP))
-                    eps = _divisors(dp // dp_replicate * cp * tp, experts) if shape.moe else [1]
+                hsdp = {1, dp // in_node} if dp % in_node == 0 and dp > in_node else {1}
+                for dp_replicate in _choices(pin, "dp_replicate", sorted(hsdp)):
+                    if dp % dp_replicate:
+                        continue
+                    experts = _choices(pin, "ep", _powers(min(shape.num_experts, MAX_EP)))
+                    eps = experts if shape.moe or "ep" in pin else [1]
                     for ep in eps:
                         sizes = {"tp": tp, "cp": cp, "pp": pp, "dp_replicate": dp_replicate, "ep": ep}
                         sizes["dp_shard"] = dp // dp_replicate

@@ -58,7 +58,7 @@ def _span(layout: Layout, axis: str) -> int:
     if axis == "ep":  # ep is carved from dp_shard x cp x tp, innermost
         return layout.ep
     if axis == "ep_shard":
-        return layout.dp_shard * layout.cp * layout.tp
+        return layout.dp * layout.cp * layout.tp
     span = 1
     for name in _AXIS_ORDER:
         span *= getattr(layout, name)

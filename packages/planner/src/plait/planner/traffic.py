@@ -71,10 +71,11 @@ def _fsdp(shape: ModelShape, layout: Layout, share: StageShare) -> list[Collecti
     else:
         dense = sizes.local
         out = _sharded(layout, dense, units, layout.fsdp, sizes.root, "dp_shard")
-    if layout.dp_replicate > 1:
+    if layout.dp_replicate > 1:  # replicas all-reduce the dense weights; experts span every replica
+        dense_local = sizes.dense_local if layout.ep > 1 else sizes.local
         out.append(
             Collective(
-                "all_reduce", "dp_replicate", layout.dp_replicate, _F32 * sizes.local, units + 1, "compute"
+                "all_reduce", "dp_replicate", layout.dp_replicate, _F32 * dense_local, units + 1, "compute"
             )
         )
     return out
