@@ -43,39 +43,47 @@ class Collective:
         return factor * self.buffer
 
 
-def _sharded(layout: Layout, local: float, units: int, n: int, root: float, axis: str) -> list[Collective]:
-    """One FSDP mesh's gathers (forward, and backward for resharded units) and reductions."""
+def _sharded(
+    layout: Layout, local: float, units: int, regather: int, n: int, root: float, axis: str
+) -> list[Collective]:
+    """One FSDP mesh's gathers (forward; again in backward for the ``regather`` resharded units) and
+    reductions, over ``units`` units (the root among them when ``root`` > 0)."""
     if n == 1 or local == 0:
         return []
     e = 2 if layout.bf16 else 4
     passes = layout.grad_accum if layout.pp == 1 else 1
-    out = [Collective("all_gather", axis, n, e * local * passes, (units + 1) * passes, "compute")]
-    regather = 0 if layout.pp > 1 or layout.reshard is False else units - 1
-    if regather:
+    out = [Collective("all_gather", axis, n, e * local * passes, units * passes, "compute")]
+    if regather and layout.pp == 1 and layout.reshard is not False:
         group = layout.reshard if not isinstance(layout.reshard, bool) else n
-        per_unit = e * (local - root / n) / units
+        per_unit = e * (local - root / n) / (units - (1 if root else 0))
         buffer = per_unit * regather * passes * n / group
         out.append(Collective("all_gather", axis, group, buffer, regather * passes, "compute"))
-    out.append(Collective("reduce_scatter", axis, n, _F32 * local * n, units + 1, "compute"))
+    out.append(Collective("reduce_scatter", axis, n, _F32 * local * n, units, "compute"))
     return out
 
 
 def _fsdp(shape: ModelShape, layout: Layout, share: StageShare) -> list[Collective]:
-    """Dense weights over dp_shard x cp; experts under ep over ep_shard (never gathered when it is 1)."""
+    """Dense weights over dp_shard x cp; experts under ep over ep_shard (never gathered when it is 1).
+
+    Layer units but the last reshard after forward (gathered again in backward); the root does not.
+    Expert units reshard too, unless checkpointing replays the forward's ops (any AC mode of an MoE
+    model, whose routers are saved), when they stay gathered.
+    """
     sizes = param_sizes(shape, layout, share)
-    units = share.dense_layers + share.moe_layers
+    layers = share.dense_layers + share.moe_layers
     if layout.ep > 1:
-        dense, experts = sizes.dense_local, sizes.expert_local
-        out = _sharded(layout, dense, units, layout.fsdp, sizes.root, "dp_shard")
-        out += _sharded(layout, experts, share.moe_layers, layout.ep_shard, 0.0, "ep_shard")
+        out = _sharded(layout, sizes.dense_local, layers + 1, layers - 1, layout.fsdp, sizes.root, "dp_shard")
+        expert_regather = share.moe_layers if layout.ac == "none" else 0
+        out += _sharded(
+            layout, sizes.expert_local, share.moe_layers, expert_regather, layout.ep_shard, 0.0, "ep_shard"
+        )
     else:
-        dense = sizes.local
-        out = _sharded(layout, dense, units, layout.fsdp, sizes.root, "dp_shard")
+        out = _sharded(layout, sizes.local, layers + 1, layers - 1, layout.fsdp, sizes.root, "dp_shard")
     if layout.dp_replicate > 1:  # replicas all-reduce the dense weights; experts span every replica
         dense_local = sizes.dense_local if layout.ep > 1 else sizes.local
         out.append(
             Collective(
-                "all_reduce", "dp_replicate", layout.dp_replicate, _F32 * dense_local, units + 1, "compute"
+                "all_reduce", "dp_replicate", layout.dp_replicate, _F32 * dense_local, layers + 1, "compute"
             )
         )
     return out
@@ -93,8 +101,9 @@ def _tp(shape: ModelShape, layout: Layout, share: StageShare, tokens: float) -> 
     act = tokens * shape.hidden_size * e
     ends = int(share.embedding) + int(share.head)  # the embedding's forward, the head's backward
     if layout.sp:
-        scatters = layers * 4 + ends
-        gathers = scatters + (2 * layers if full else 0)
+        # An MoE block runs whole (gathered in, split out): per MoE layer 2 scatters, not 4 (measured).
+        scatters = share.dense_layers * 4 + share.moe_layers * 2 + ends
+        gathers = layers * 4 + ends + (2 * layers if full else 0)
         return [
             Collective("all_gather", "tp", t, gathers * act / t, gathers, ""),
             Collective("reduce_scatter", "tp", t, scatters * act, scatters, ""),
