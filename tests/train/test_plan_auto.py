@@ -119,7 +119,14 @@ def test_the_moe_hand_search_rejects_by_how_much_and_proposes_a_cluster_that_fit
 
     config = str(Path(__file__).parents[2] / "docs" / "examples" / "mixtral_8x22b_config.json")
     args = ["--hf-config", config, "--nodes", "4", "--seq-len", "4096", "--global-tokens", "1048576"]
-    considers = ["--consider", "pp=4,ep=8", "--consider", "pp=4,ep=8,dp_replicate=2", "--consider", "pp=8,ep=8"]
+    considers = [
+        "--consider",
+        "pp=4,ep=8",
+        "--consider",
+        "pp=4,ep=8,dp_replicate=2",
+        "--consider",
+        "pp=8,ep=8",
+    ]
     assert main(["plan", "--auto", *args, *considers]) == 0
     out = capsys.readouterr().out
     assert "considered pp=4,ep=8: closest:" in out and "out of memory by" in out
