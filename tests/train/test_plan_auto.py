@@ -100,7 +100,7 @@ def test_the_planner_knows_every_pipeline_schedule() -> None:
     assert set(PP_SCHEDULES) == set(SCHEDULES)
 
 
-@pytest.mark.parametrize("name", ["fsdp2_w2_ac_none", "tp2_sp_w2"])
+@pytest.mark.parametrize("name", ["fsdp2_w2_ac_none", "fsdp2_w2_ac_full", "tp2_sp_w2"])
 def test_estimate_is_within_ten_percent_of_the_measured_step(name: str, tmp_path: Path) -> None:
     spec = next(layout for layout in LAYOUTS if layout["name"] == name)
     ranks = run_layout(spec["recipe"], spec["overrides"], spec["world_size"], str(tmp_path))

@@ -14,7 +14,7 @@ from __future__ import annotations
 from plait.planner.layout import Layout
 from plait.planner.shape import ModelShape
 
-__all__ = ["layer_saved_bytes", "layer_work_bytes", "model_saved_bytes"]
+__all__ = ["layer_saved_bytes", "layer_work_bytes", "model_saved_bytes", "region_work_bytes"]
 
 _F32 = 4
 
@@ -94,10 +94,29 @@ def _selective(shape: ModelShape, layout: Layout, moe: bool) -> float:
     return saved
 
 
+def _router(shape: ModelShape) -> float:
+    """An MoE router's saves: fp32 scores, top-k weights and their sum, the top-k indices."""
+    k = shape.experts_per_token
+    return _F32 * (shape.num_experts + k + 1) + 8 * k
+
+
+def region_work_bytes(shape: ModelShape, layout: Layout, moe: bool) -> float:
+    """Bytes per local token the larger checkpointed region of a layer rebuilds (full AC).
+
+    Full AC checkpoints a layer's attention, MLP and both norms as four regions; backward recomputes
+    one at a time: its saves, with its input gathered again under SP. An MoE block keeps its
+    router's ops (so routing cannot change) and rebuilds the rest, its all-to-alls included.
+    """
+    gathered = _act(layout) * shape.hidden_size if layout.sp else 0.0
+    mlp = _moe_mlp(shape, layout) - _router(shape) if moe else _dense_mlp(shape, layout)
+    return max(_attention(shape, layout), mlp) + gathered
+
+
 def layer_saved_bytes(shape: ModelShape, layout: Layout, moe: bool) -> float:
     """Bytes per local token a layer keeps between its forward and backward under ``layout.ac``."""
-    if layout.ac == "full":
-        return _act(layout) * shape.hidden_size / (layout.tp if layout.sp else 1)
+    if layout.ac == "full":  # the inputs of its four regions: both norms, attention, MLP
+        inputs = 4 * _act(layout) * shape.hidden_size / (layout.tp if layout.sp else 1)
+        return inputs + (_router(shape) if moe else 0.0)
     if layout.ac == "selective":
         return _selective(shape, layout, moe)
     return layer_work_bytes(shape, layout, moe)

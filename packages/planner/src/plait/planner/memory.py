@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plait.planner.activations import layer_saved_bytes, layer_work_bytes, model_saved_bytes
+from plait.planner.activations import layer_saved_bytes, layer_work_bytes, model_saved_bytes, region_work_bytes
 from plait.planner.layout import Layout
 from plait.planner.params import StageShare, param_sizes, stage_shares
 from plait.planner.shape import ModelShape
@@ -101,17 +101,17 @@ def _estimate_share(shape: ModelShape, layout: Layout, share: StageShare) -> Mem
     layer_saves /= layout.stages_per_rank
     activations = tokens * flight * (layer_saves + model_saved_bytes(shape, layout))
     first_moe = share.moe_layers > 0
-    # A layer's backward: its recompute and half as much again in activation gradients (measured), or
-    # without checkpointing two activation gradients as wide as its MLP and two of the hidden size;
-    # then its weight gradients in compute dtype and the fp32 reduce-scatter input.
-    if layout.ac != "none":  # selective recomputes only what it did not save
-        saved = layer_saved_bytes(shape, layout, first_moe) if layout.ac == "selective" else 0.0
+    # A layer's backward: without checkpointing two activation gradients as wide as its MLP and two
+    # of the hidden size; full AC adds the larger region's recompute, selective what it did not save
+    # and half as much again in activation gradients (measured); then its weight gradients in compute
+    # dtype and the fp32 reduce-scatter input.
+    width = shape.experts_per_token * shape.moe_intermediate_size if first_moe else shape.intermediate_size
+    work = 2 * e * (width / (1 if first_moe else layout.tp) + shape.hidden_size)
+    if layout.ac == "full":
+        work += region_work_bytes(shape, layout, first_moe)
+    elif layout.ac == "selective":
+        saved = layer_saved_bytes(shape, layout, first_moe)
         work = 1.5 * (layer_work_bytes(shape, layout, first_moe) - saved)
-    else:
-        width = (
-            shape.experts_per_token * shape.moe_intermediate_size if first_moe else shape.intermediate_size
-        )
-        work = 2 * e * (width / (1 if first_moe else layout.tp) + shape.hidden_size)
     grads_in_compute = e * largest + (_F32 * largest if layout.bf16 or layout.fsdp > 1 else 0.0)
     if layout.sp:  # the gradients of a gathered input and of an output before its reduce-scatter: whole
         work += 2 * e * shape.hidden_size
