@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plait.planner.activations import layer_saved_bytes, layer_work_bytes, model_saved_bytes, region_work_bytes
+from plait.planner.activations import (
+    layer_saved_bytes,
+    layer_work_bytes,
+    model_saved_bytes,
+    region_work_bytes,
+)
 from plait.planner.layout import Layout
 from plait.planner.params import StageShare, param_sizes, stage_shares
 from plait.planner.shape import ModelShape
