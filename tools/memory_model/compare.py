@@ -1,6 +1,6 @@
 """Estimated (plait.planner) vs measured (tools/memory_model/measure.py) peak memory and collective bytes.
 
-``uv run python tools/memory_model/compare.py [--measured FILE] [--markdown]``: one row per layout,
+``uv run python tools/memory_model/compare.py [--measured FILE]``: one row per layout,
 the worst rank's measured peak against the planner's estimate of the same recipe, and the bytes
 per collective kind, estimated against counted; ratios outside [0.9, 1.1] are flagged.
 """
