@@ -115,3 +115,30 @@ def test_layers_with_parameters_of_their_own_get_them_replicated_under_sequence_
     assert plan is not None
     assert [type(plan.get(f"model.layers.{i}")) for i in (0, 1)] == [ReplicateOwnParams] * 2
     assert not any(key.endswith(("layers.0", "layers.1")) for key in hf_tp_plan(model, False) or {})
+
+
+class _KeywordBlock(nn.Module):
+    """A block called as Hugging Face's decoders call attention: ``hidden_states=`` by keyword."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.proj(hidden_states)
+
+
+def test_a_whole_block_called_by_keyword_gathers_its_hidden_states_once(fake_pg: Callable) -> None:
+    """One all-gather per forward, whether the hidden states come by position or by keyword."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with fake_pg(2):
+        mesh = init_device_mesh("cpu", (2,))
+        block = parallelize_module(_KeywordBlock(), mesh, SequenceParallelBlock(replicate_params=True))
+        stream = DTensor.from_local(torch.randn(2, 4, 8), mesh, (Shard(1),))
+        for call in (lambda: block(stream), lambda: block(hidden_states=stream)):
+            with CommDebugMode() as comm:
+                out = call()
+            assert isinstance(out, DTensor) and out.placements == (Shard(1),)
+            gathers = {k: v for k, v in comm.get_comm_counts().items() if "all_gather" in str(k)}
+            assert sum(gathers.values()) == 1, comm.get_comm_counts()

@@ -198,12 +198,13 @@ def _block_pre_hook(
     mesh: DeviceMesh, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     # Every other DTensor argument (rotary tables computed from the sharded stream) is made whole too:
-    # the block runs on plain full-sequence tensors, as without SP.
-    rest = {k: _to_full(v) for k, v in kwargs.items()}
+    # the block runs on plain full-sequence tensors, as without SP. The hidden states are gathered once.
+    key = None if args else "hidden_states"
+    rest = {k: _to_full(v) for k, v in kwargs.items() if k != key}
     if args:
         return (_whole(args[0], mesh), *_to_full(args[1:])), rest
-    if "hidden_states" in kwargs:
-        return args, {**rest, "hidden_states": _whole(kwargs["hidden_states"], mesh)}
+    if key in kwargs:
+        return args, {**rest, key: _whole(kwargs[key], mesh)}
     raise ValueError(
         f"{type(module).__name__} was called with neither a positional input nor `hidden_states`; "
         "SequenceParallelBlock cannot find the hidden states to gather"
