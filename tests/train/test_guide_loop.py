@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -17,6 +18,8 @@ from plait.mesh import materialize
 
 LOOP = Path(__file__).resolve().parents[2] / "docs" / "examples" / "loop.py"
 CONTEXTS = ["fsdp2_tp", "fsdp2", "hsdp", "ddp"]
+FAST = ["fsdp2_tp", "ddp"]
+"""In CI: the sharded-and-TP context and DDP (the two flows); every context in tools/slow_tests."""
 
 
 def _example() -> ModuleType:
@@ -53,15 +56,20 @@ def _run_torchrun(command: list[str], *, timeout: float) -> subprocess.Completed
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
-def test_the_guide_loop_trains_on_every_context_from_the_same_start(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "contexts", [FAST, pytest.param(CONTEXTS, marks=pytest.mark.slow)], ids=["fast", "all"]
+)
+def test_the_guide_loop_trains_on_every_context_from_the_same_start(
+    tmp_path: Path, contexts: list[str]
+) -> None:
     out = tmp_path / "losses.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
-    command += [str(LOOP), "--context", *CONTEXTS, "--steps", "3", "--save", str(tmp_path / "ckpt")]
+    command += [str(LOOP), "--context", *contexts, "--steps", "3", "--save", str(tmp_path / "ckpt")]
     done = _run_torchrun([*command, "--out", str(out)], timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     losses = json.loads(out.read_text())
     reference = _reference_first_loss(_example())
-    for context in CONTEXTS:
+    for context in contexts:
         assert len(losses[context]) == 3 and all(math.isfinite(x) for x in losses[context]), losses
         # Step 1 is before any update: the same weights on every mesh and the same global batch.
         assert abs(losses[context][0] - reference) <= 1e-5 * abs(reference), (
@@ -70,5 +78,5 @@ def test_the_guide_loop_trains_on_every_context_from_the_same_start(tmp_path: Pa
             reference,
         )
         assert (tmp_path / "ckpt" / context / ".metadata").is_file()
-    for line in (f"{c} step 3 loss" for c in CONTEXTS):
+    for line in (f"{c} step 3 loss" for c in contexts):
         assert line in done.stdout, done.stdout

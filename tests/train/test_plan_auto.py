@@ -1,8 +1,9 @@
 """``plan --auto`` in the app: model sizes match built models, the written recipe validates, and the
 planner's memory and traffic estimates hold against a measured step (gloo, CPU).
 
-The full measured table (18 layouts) is tools/memory_model; two of its layouts run here: FSDP on 2
-ranks with no checkpointing (activations dominate) and TP + SP on 2 ranks.
+The full measured table (38 layouts) is tools/memory_model; four of its layouts run here: FSDP on 2
+ranks without and with full checkpointing (activations dominate), TP + SP on 2 ranks, and the
+collectives of DeepSeek-V3's Hugging Face plan (replicated attention, whole-sequence MLP) on 4.
 """
 
 from __future__ import annotations
@@ -111,6 +112,30 @@ def test_estimate_is_within_ten_percent_of_the_measured_step(name: str, tmp_path
     for kind, got in got_comm.items():
         if got > 1 << 20:  # scalars (token counts, loss-parallel statistics) are not modelled
             assert 0.9 <= est_comm.get(kind, 0.0) / got <= 1.1, (kind, est_comm, got_comm)
+
+
+def test_the_tp_collectives_of_deepseek_v3s_plan_are_counted_as_it_lays_out_its_blocks(
+    tmp_path: Path,
+) -> None:
+    """Its plan leaves attention out (replicated) and runs the MLP on the gathered sequence under SP."""
+    from plait.train import load_recipe, shape_of
+
+    assert (
+        shape_of(load_recipe("deepseek_v3")).tp_attention,
+        shape_of(load_recipe("hf_llama")).tp_attention,
+    ) == (
+        False,
+        True,
+    )
+    spec = next(layout for layout in LAYOUTS if layout["name"] == "recipe_deepseek_v3")
+    entry = {
+        "layout": spec,
+        "ranks": run_layout(spec["recipe"], spec["overrides"], spec["world_size"], str(tmp_path)),
+    }
+    (_, est_comm), (_, got_comm) = estimate(entry), measured(entry)
+    assert {"all_gather", "all_reduce", "reduce_scatter"} <= got_comm.keys()
+    for kind, got in got_comm.items():
+        assert 0.9 <= est_comm.get(kind, 0.0) / got <= 1.1, (kind, est_comm, got_comm)
 
 
 def test_the_moe_hand_search_rejects_by_how_much_and_proposes_a_cluster_that_fits(capsys) -> None:

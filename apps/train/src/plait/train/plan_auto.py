@@ -39,8 +39,11 @@ def shape_of(recipe: Recipe) -> ModelShape:
         return ModelShape.from_config(preset_arch(model.source, model.preset, model.arch))
     import transformers
 
-    config_class = getattr(transformers, str(model.hf_class)).config_class
-    return ModelShape.from_config(config_class(**model.hf_config))
+    from plait.train.tp_blocks import hf_block_layout
+
+    model_class = getattr(transformers, str(model.hf_class))
+    config = model_class.config_class(**model.hf_config)
+    return dataclasses.replace(ModelShape.from_config(config), **hf_block_layout(model_class, config))
 
 
 def shape_from_file(path: str) -> ModelShape:
@@ -50,11 +53,27 @@ def shape_from_file(path: str) -> ModelShape:
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"--hf-config {path!r}: {err}") from None
     try:
-        return ModelShape.from_config(data)
+        shape = ModelShape.from_config(data)
     except (TypeError, KeyError) as err:
         raise ValueError(
             f"--hf-config {path!r} lacks a decoder size ({err}); give a decoder's config.json"
         ) from None
+    return dataclasses.replace(shape, **_file_block_layout(data))
+
+
+def _file_block_layout(data: dict[str, Any]) -> dict[str, bool]:
+    """The TP block layout of the file's ``model_type`` where transformers builds it as a causal LM; else Llama-style."""
+    import transformers
+
+    from plait.train.tp_blocks import hf_block_layout
+
+    fields = {k: v for k, v in data.items() if k != "model_type"}
+    try:
+        config = transformers.AutoConfig.for_model(str(data.get("model_type")), **fields)
+        model_class = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except (ValueError, KeyError):
+        return {}
+    return hf_block_layout(model_class, config)
 
 
 def layout_of_recipe(recipe: Recipe, world_size: int, *, cpu: bool = False) -> Layout:

@@ -48,6 +48,12 @@ class ModelShape:
     """MLA attention (DeepSeek): 0 for standard grouped-query attention."""
     v_head_dim: int = 0
     rope_head_dim: int = 0
+    tp_attention: bool = True
+    """Whether TP shards the attention heads; False: the model's TP plan leaves attention out, so it
+    runs replicated on the whole sequence (Hugging Face's DeepSeek-V3 plan)."""
+    sp_whole_mlp: bool = False
+    """Under SP the MLP block runs on the gathered sequence, its row-wise output all-reduced, then
+    sliced (Hugging Face plans whose experts are tensor-parallel); False: gathered in, reduce-scattered out."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):

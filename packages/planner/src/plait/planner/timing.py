@@ -71,6 +71,11 @@ def _seconds(c: Collective, layout: Layout, cluster: Cluster) -> float:
     return c.sent() / cluster.bandwidth(_span(layout, c.axis)) + c.count * cluster.latency_us * 1e-6
 
 
+def _core_flops(shape: ModelShape, seq_len: int) -> float:
+    """Attention's score and value matmuls per token, forward and backward (torchtitan's 12 L H D T)."""
+    return 12.0 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len
+
+
 def estimate_time(
     shape: ModelShape, layout: Layout, cluster: Cluster, collectives: list[Collective]
 ) -> StepTime:
@@ -78,9 +83,13 @@ def estimate_time(
     tokens = layout.micro_batch * layout.grad_accum * layout.seq_len * layout.dp / layout.world
     model_flops = shape.flops_per_token(layout.seq_len)
     work = model_flops * tokens * (1 + _RECOMPUTE[layout.ac])
+    if not shape.tp_attention:  # attention the TP plan leaves out: every tp rank computes it whole
+        attention_block = 6.0 * shape.num_layers * shape.attention_params() + _core_flops(
+            shape, layout.seq_len
+        )
+        work += (layout.tp - 1) * attention_block * tokens * (1 + _RECOMPUTE[layout.ac])
     compute = work / (cluster.peak_tflops * 1e12 * cluster.compute_efficiency)
-    attention_flops = 12 * shape.num_layers * shape.num_heads * shape.head_dim * layout.seq_len
-    attention = compute * attention_flops / model_flops
+    attention = compute * _core_flops(shape, layout.seq_len) / model_flops
     exposed = sum(_seconds(c, layout, cluster) for c in collectives if not c.overlapped)
     ring = sum(_seconds(c, layout, cluster) for c in collectives if c.overlapped == "attention")
     exposed += max(0.0, ring - attention)  # ring steps hide behind the attention of their chunk only

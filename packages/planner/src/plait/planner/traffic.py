@@ -90,27 +90,37 @@ def _fsdp(shape: ModelShape, layout: Layout, share: StageShare) -> list[Collecti
 
 
 def _tp(shape: ModelShape, layout: Layout, share: StageShare, tokens: float) -> list[Collective]:
-    """Per layer and pass two reductions (forward) and two (backward); SP splits each into a gather and a scatter."""
+    """Per layer the attention's and the MLP's collectives, forward and backward (docs/planner.md).
+
+    Under SP a sharded block gathers its input and reduce-scatters its output, and the backward does
+    the converse; a whole-sequence block gathers its input (and its output's gradient) and hands
+    back its slice: its row-wise outputs are all-reduced (forward: 1, backward: gate and up).
+    Attention the TP plan leaves out runs replicated and reduces nothing.
+    """
     t, e = layout.tp, 2 if layout.bf16 else 4
     if t == 1:
         return []
     layers = share.dense_layers + share.moe_layers
-    # A full-AC recompute stops once backward has what it needs (torch's early stop): under SP it
-    # gathers the attention and MLP inputs again, without SP it reduces nothing again (measured).
-    full = layout.ac == "full"
+    attention = 1 if shape.tp_attention else 0
     act = tokens * shape.hidden_size * e
     ends = int(share.embedding) + int(share.head)  # the embedding's forward, the head's backward
-    if layout.sp:
-        # An MoE block runs whole (gathered in, split out): per MoE layer 2 scatters, not 4 (measured).
-        scatters = share.dense_layers * 4 + share.moe_layers * 2 + ends
-        gathers = layers * 4 + ends + (2 * layers if full else 0)
-        return [
-            Collective("all_gather", "tp", t, gathers * act / t, gathers, ""),
-            Collective("reduce_scatter", "tp", t, scatters * act, scatters, ""),
-        ]
-    # Without SP each projection's input gradient is reduced on its own: q, k, v and gate, up.
-    calls = layers * (2 + 5) + ends
-    return [Collective("all_reduce", "tp", t, calls * act, calls, "")]
+    if not layout.sp:
+        # Each projection's input gradient is reduced on its own: q, k, v and gate, up.
+        calls = layers * (4 * attention + 3) + ends
+        return [Collective("all_reduce", "tp", t, calls * act, calls, "")]
+    # A full-AC recompute stops once backward has what it needs (torch's early stop): under SP it
+    # gathers the attention and MLP inputs again, and reduces nothing again (measured).
+    gathers = layers * 4 + ends + (2 * layers if layout.ac == "full" else 0)
+    # An MoE block runs whole (gathered in, split out): per MoE layer 2 scatters, not 4 (measured).
+    mlp_scatters = 0 if shape.sp_whole_mlp else 2 * share.dense_layers
+    scatters = 2 * attention * layers + mlp_scatters + ends
+    out = [
+        Collective("all_gather", "tp", t, gathers * act / t, gathers, ""),
+        Collective("reduce_scatter", "tp", t, scatters * act, scatters, ""),
+    ]
+    if shape.sp_whole_mlp:
+        out.append(Collective("all_reduce", "tp", t, 3 * layers * act, 3 * layers, ""))
+    return out
 
 
 def _cp(shape: ModelShape, layout: Layout, share: StageShare, tokens: float) -> list[Collective]:
@@ -118,7 +128,8 @@ def _cp(shape: ModelShape, layout: Layout, share: StageShare, tokens: float) -> 
     if cp == 1:
         return []
     layers = share.dense_layers + share.moe_layers
-    kv = tokens * (shape.kv_width + shape.v_width) / layout.tp * e
+    heads = layout.tp if shape.tp_attention else 1
+    kv = tokens * (shape.kv_width + shape.v_width) / heads * e
     forwards = 2 if layout.ac == "full" else 1
     if layout.cp_variant == "all_gather":  # K/V gathered per forward, dK/dV reduce-scattered
         return [
@@ -128,9 +139,9 @@ def _cp(shape: ModelShape, layout: Layout, share: StageShare, tokens: float) -> 
     if layout.cp_variant == "ring":  # K/V passed cp-1 times per forward and backward, fp32 dK/dV too
         steps = layers * (cp - 1) * (forwards + 1)
         width = 2 * shape.q_width if layout.gqa_expanded else shape.kv_width + shape.v_width
-        grads = layers * (cp - 1) * tokens * width / layout.tp * _F32  # at the kernel's (repeated) heads
+        grads = layers * (cp - 1) * tokens * width / heads * _F32  # at the kernel's (repeated) heads
         return [Collective("send", "cp", cp, steps * kv + grads, steps, "attention")]
-    qo = tokens * 2 * shape.q_width / layout.tp * e
+    qo = tokens * 2 * shape.q_width / heads * e
     calls = layers * (forwards + 1) * 4
     return [Collective("all_to_all", "cp", cp, layers * (forwards + 1) * (kv + qo), calls, "")]
 
