@@ -67,11 +67,10 @@ def hf_block_layout(model_class: type[nn.Module], config: Any) -> dict[str, bool
     model = _build(model_class, config)
     with warnings.catch_warnings():  # patterns the few-layer copy lacks (dense MLPs of an all-MoE model)
         warnings.simplefilter("ignore", UserWarning)
+        # A family refusing SP still says by its plan without SP how attention is split.
         try:
             plan = hf_tp_plan(model, sequence_parallel=True)
-        except (
-            ValueError
-        ):  # SP refused for this family: its plan without SP still says how attention is split
+        except ValueError:
             plan = hf_tp_plan(model, sequence_parallel=False)
     if plan is None:
         return {"tp_attention": True, "sp_whole_mlp": False}
