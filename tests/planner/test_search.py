@@ -87,3 +87,27 @@ def test_refusals_name_the_reason_and_the_combination_table() -> None:
     moe = ModelShape.from_config(MOE_SMALL)
     float8_free = refusal(Layout(seq_len=1024, ep=2, dp_shard=2), moe)
     assert float8_free is None
+
+
+def test_where_nothing_fits_on_the_gpus_cpu_offload_is_priced_and_proposed() -> None:
+    """Llama-3.1-405B on one node: no layout fits its state on 8 GPUs; offloaded to the host, one does."""
+    from plait.planner import GIB, estimate_memory
+
+    shape = ModelShape.from_config(LLAMA_405B)
+    machine = cluster("h200", nodes=1, host_memory_gib=1024.0)
+    layout = Layout(seq_len=4096, dp_shard=8, ac="full")
+    kept, offloaded = (
+        estimate_memory(shape, layout),
+        estimate_memory(shape, Layout(**{**vars(layout), "offload": True})),
+    )
+    assert offloaded.parameters == offloaded.optimizer == offloaded.gradients == 0.0
+    assert offloaded.host == pytest.approx(kept.parameters + kept.optimizer + kept.gradients)
+    assert offloaded.peak < kept.peak - 500 * GIB
+    alone = search(shape, machine, global_tokens=8 * 4096, seq_len=4096, offload=False)
+    assert not any(c.fits for c in alone.candidates) and not any(c.layout.offload for c in alone.candidates)
+    found = search(shape, machine, global_tokens=8 * 4096, seq_len=4096)
+    best = found.candidates[0]
+    assert best.fits and best.layout.offload and best.memory.host <= machine.host_bytes, best.layout
+    assert best.time is not None and best.time.host > 0  # the optimizer steps on the host
+    small_host = search(shape, cluster("h200", nodes=1), global_tokens=8 * 4096, seq_len=4096)
+    assert small_host.rejected["offloaded state over the host memory"] > 0

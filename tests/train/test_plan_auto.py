@@ -138,7 +138,7 @@ def test_the_tp_collectives_of_deepseek_v3s_plan_are_counted_as_it_lays_out_its_
         assert 0.9 <= est_comm.get(kind, 0.0) / got <= 1.1, (kind, est_comm, got_comm)
 
 
-def test_the_moe_hand_search_rejects_by_how_much_and_proposes_a_cluster_that_fits(capsys) -> None:
+def test_the_moe_hand_search_rejects_by_how_much_and_proposes_an_offloaded_layout_that_fits(capsys) -> None:
     """NeMo's hand-tried MoE layouts, from config alone: each listed with its peak, or refused."""
     from plait.train.cli import main
 
@@ -154,6 +154,25 @@ def test_the_moe_hand_search_rejects_by_how_much_and_proposes_a_cluster_that_fit
     ]
     assert main(["plan", "--auto", *args, *considers]) == 0
     out = capsys.readouterr().out
-    assert "considered pp=4,ep=8: closest:" in out and "out of memory by" in out
     assert "considered pp=8,ep=8: not legal: ep does not divide the non-pipeline ranks" in out
-    assert "fits on 8 nodes (64 GPUs) at this batch:" in out
+    # On the GPUs alone nothing fits (each considered size is shown over by how much); with CPU
+    # offload a 4-node layout does, and it is the proposal.
+    for pin in ("pp=4,ep=8", "pp=4,ep=8,dp_replicate=2"):
+        block = out.split(f"considered {pin}: best:\n", 1)[1].split("\nconsidered", 1)[0].splitlines()
+        assert "offload=cpu" in block[0] and block[3] == "  without CPU offload, the closest:", block
+        assert "-- out of memory by" in block[4], block
+    best = out.split("best layouts", 1)[1].splitlines()[1]
+    assert "offload=cpu" in best and float(best.split("peak ")[1].split(" GiB")[0]) <= 76.1, best
+
+
+def test_an_offloaded_layout_is_written_as_the_recipes_offload_policy_and_read_back() -> None:
+    from plait.planner import Layout, cluster
+    from plait.train import layout_of_recipe, load_recipe
+    from plait.train.config import recipe_from_dict
+    from plait.train.plan_auto import layout_recipe
+
+    layout = Layout(seq_len=1024, micro_batch=2, dp_shard=8, ac="full", offload=True)
+    data = layout_recipe(load_recipe("dense_fsdp2"), layout, cluster("h100"))
+    assert data["parallel"]["options"]["offload_policy"] == "cpu"
+    assert layout_of_recipe(recipe_from_dict(data), 8).offload
+    assert not layout_of_recipe(load_recipe("dense_fsdp2"), 8).offload

@@ -102,6 +102,7 @@ def layout_of_recipe(recipe: Recipe, world_size: int, *, cpu: bool = False) -> L
         ep=par.ep_size,
         ac={True: "full", False: "none"}.get(ac, ac),
         reshard=options.get("reshard_after_forward", True),
+        offload=options.get("offload_policy") not in (None, False),
         bf16=par.mixed_precision == "bf16",
         forward_prefetch=options.get("fsdp2_forward_prefetch_depth", 1),
         backward_prefetch=options.get("fsdp2_backward_prefetch_depth", 1),
@@ -162,6 +163,25 @@ def _larger_cluster(shape: ModelShape, cluster: Cluster, global_tokens: int, seq
     return [f"no layout fits on up to {cluster.nodes * 16} nodes at this batch"]
 
 
+def _without_offload(
+    shape: ModelShape,
+    cluster: Cluster,
+    result: SearchResult,
+    global_tokens: int,
+    seq_len: int,
+    pin: dict[str, int],
+) -> list[str]:
+    """Where the best layout offloads to the CPU: the closest one without, and by how much it is over."""
+    if not (result.candidates and result.candidates[0].layout.offload):
+        return []
+    alone = search(
+        shape, cluster, global_tokens=global_tokens, seq_len=seq_len, pin=pin, top=1, offload=False
+    )
+    if not alone.candidates:
+        return []
+    return ["  without CPU offload, the closest:", *_candidate_lines(alone.candidates[0], cluster)]
+
+
 def auto_plan(
     shape: ModelShape,
     cluster: Cluster,
@@ -184,6 +204,7 @@ def auto_plan(
     ]
     for c in result.candidates:
         lines += _candidate_lines(c, cluster)
+    lines += _without_offload(shape, cluster, result, global_tokens, seq_len, {})
     lines += _rejections(result)
     if not (result.candidates and result.candidates[0].fits):
         lines += _larger_cluster(shape, cluster, global_tokens, seq_len)
@@ -199,6 +220,7 @@ def auto_plan(
             continue
         lines.append(f"considered {label}: {'best' if pinned.candidates[0].fits else 'closest'}:")
         lines += _candidate_lines(pinned.candidates[0], cluster)
+        lines += _without_offload(shape, cluster, pinned, global_tokens, seq_len, pin)
     lines.append(f"searched in {time.perf_counter() - start:.1f} s")
     return "\n".join(lines), result
 
@@ -220,6 +242,8 @@ def _parallel_section(layout: Layout) -> dict[str, Any]:
         options["reshard_after_forward"] = layout.reshard
     if layout.cp > 1:
         options["cp_attention"] = layout.cp_variant
+    if layout.offload:
+        options["offload_policy"] = "cpu"
     if options:
         parallel["options"] = options
     if layout.pp > 1:

@@ -34,12 +34,28 @@ class Cluster:
     """Fraction of link bandwidth a large collective reaches."""
     latency_us: float = 10.0
     """Fixed cost per collective call."""
+    host_memory_gib: float = 224.0
+    """Host memory per GPU that CPU offload may fill (a 2 TiB node of 8 GPUs, less 12.5 % for the OS,
+    the data loader and pinned staging)."""
+    pcie_gbps: float = 50.0
+    """Host-to-device copy bandwidth per GPU, one direction (PCIe Gen5 x16, about 64 GB/s raw)."""
+    host_gbps: float = 25.0
+    """Host memory bandwidth per GPU an offloaded optimizer step reads and writes at (a node's
+    ~400 GB/s of DDR5 shared by 8 GPUs, at about half)."""
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Cluster.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("memory_gib", "peak_tflops", "intra_gbps", "inter_gbps"):
+        for name in (
+            "memory_gib",
+            "peak_tflops",
+            "intra_gbps",
+            "inter_gbps",
+            "host_memory_gib",
+            "pcie_gbps",
+            "host_gbps",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Cluster.{name} must be > 0, got {getattr(self, name)}")
         for name in ("compute_efficiency", "link_efficiency"):
@@ -55,6 +71,11 @@ class Cluster:
     def usable_bytes(self) -> float:
         """Memory a rank's tensors may take."""
         return (self.memory_gib - self.reserved_gib) * GIB
+
+    @property
+    def host_bytes(self) -> float:
+        """Host memory one rank's offloaded state may take."""
+        return self.host_memory_gib * GIB
 
     def bandwidth(self, span: int) -> float:
         """Bytes/s of a collective over ``span`` consecutive ranks: NVLink within a node, else the network."""

@@ -48,6 +48,9 @@ class Layout:
     ac: str = "full"
     reshard: bool | int = True
     """FSDP2 ``reshard_after_forward`` of the layer units: True, False, or a group size (hpZ)."""
+    offload: bool = False
+    """FSDP2 CPU offload: sharded parameters, their gradients and AdamW state live in host memory,
+    the optimizer steps on the CPU (recipe ``parallel.options.offload_policy: cpu``)."""
     bf16: bool = True
     """bf16 compute, fp32 master weights, gradients and reduction (plait's ``bf16`` policy)."""
     forward_prefetch: int = 1
@@ -112,6 +115,8 @@ class Layout:
             parts.append(f"accum{self.grad_accum}")
         if self.reshard is not True:
             parts.append(f"reshard={self.reshard}")
+        if self.offload:
+            parts.append("offload=cpu")
         return " ".join(parts)
 
 

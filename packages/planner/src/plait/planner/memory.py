@@ -41,6 +41,8 @@ class MemoryEstimate:
     pp_rank: int = 0
     accumulating: bool = False
     """Gradients live through the forward (``grad_accum`` > 1): FSDP holds them unsharded until the last."""
+    host: float = 0.0
+    """Host memory of CPU offload: the sharded fp32 parameters, their gradients and AdamW state."""
 
     @property
     def peak(self) -> float:
@@ -54,7 +56,16 @@ class MemoryEstimate:
 
     def breakdown(self) -> dict[str, float]:
         """Every term and the peak, in bytes."""
-        terms = ("parameters", "gradients", "optimizer", "gathered", "activations", "loss", "transient")
+        terms = (
+            "parameters",
+            "gradients",
+            "optimizer",
+            "gathered",
+            "activations",
+            "loss",
+            "transient",
+            "host",
+        )
         return {**{t: getattr(self, t) for t in terms}, "peak": self.peak}
 
 
@@ -123,17 +134,22 @@ def _estimate_share(shape: ModelShape, layout: Layout, share: StageShare) -> Mem
     units = share.dense_layers + share.moe_layers
     # FSDP skips the reduction until the last micro-batch (or pipeline microbatch): unsharded fp32 gradients.
     accumulating = layout.grad_accum > 1 or layout.pp_microbatches > 1
-    unsharded = sizes.unsharded if accumulating else local
+    # CPU offload keeps the sharded state in host memory: a unit's fp32 shard is copied in before its
+    # gather; accumulated (unsharded) gradients stay on the GPU until the last microbatch reduces them.
+    device = 0.0 if layout.offload else 1.0
     return MemoryEstimate(
-        parameters=_F32 * local,
-        gradients=_F32 * unsharded,
-        optimizer=2 * _F32 * local,
+        parameters=_F32 * local * device,
+        gradients=_F32 * (sizes.unsharded if accumulating else local * device),
+        optimizer=2 * _F32 * local * device,
         gathered=_gathered(layout, units, largest, root),
         activations=activations,
         loss=_loss_bytes(shape, layout, tokens) if share.head else 0.0,
-        transient=tokens * work + grads_in_compute,
+        transient=tokens * work
+        + grads_in_compute
+        + (_F32 * largest / layout.fsdp if layout.offload else 0.0),
         pp_rank=share.pp_rank,
         accumulating=accumulating,
+        host=4 * _F32 * local if layout.offload else 0.0,
     )
 
 

@@ -112,7 +112,12 @@ def _sizes(
 
 
 def _layouts(
-    shape: ModelShape, cluster: Cluster, global_tokens: int, seq_len: int, pin: Mapping[str, int]
+    shape: ModelShape,
+    cluster: Cluster,
+    global_tokens: int,
+    seq_len: int,
+    pin: Mapping[str, int],
+    offload: bool = False,
 ) -> Iterator[Layout]:
     sequences = max(1, global_tokens // seq_len)
     for sizes in _sizes(shape, cluster, seq_len, pin):
@@ -141,6 +146,7 @@ def _layouts(
                                     ac=ac,
                                     cp_variant=variant,
                                     reshard=reshard,
+                                    offload=offload,
                                     **sizes,
                                     **pipe,
                                 )
@@ -158,7 +164,29 @@ def _rank(c: Candidate) -> tuple[float, int, float]:
     assert c.time is not None
     speed = round(math.log(c.time.tokens_per_second_per_gpu) / math.log(1.01))
     axes = sum(1 for n in ("tp", "cp", "pp", "ep", "dp_replicate") if getattr(c.layout, n) > 1)
-    return (-speed, axes + (c.layout.grad_accum > 1) + (c.layout.reshard is not True), c.memory.peak)
+    extras = (c.layout.grad_accum > 1) + (c.layout.reshard is not True) + c.layout.offload
+    return (-speed, axes + extras, c.memory.peak)
+
+
+def _consider(result: SearchResult, shape: ModelShape, layout: Layout, cluster: Cluster) -> None:
+    """Count ``layout`` into ``result``: refused by its reason, out of (host) memory, or priced."""
+    result.evaluated += 1
+    reason = refusal(layout, shape)
+    if reason is not None:
+        result.rejected[reason.split(":")[0]] += 1
+        return
+    memory = estimate_memory(shape, layout)
+    if memory.host > cluster.host_bytes:
+        result.rejected["offloaded state over the host memory"] += 1
+        return
+    over = memory.peak - cluster.usable_bytes
+    if over > 0:
+        result.rejected["out of memory"] += 1
+        low, high = result.over_by.get("out of memory", (over, over))
+        result.over_by["out of memory"] = (min(low, over), max(high, over))
+        result.candidates.append(Candidate(layout, memory, None, [], over))
+        return
+    result.candidates.append(evaluate(shape, layout, cluster))
 
 
 def search(
@@ -169,11 +197,13 @@ def search(
     seq_len: int,
     pin: Mapping[str, int] | None = None,
     top: int | None = 10,
+    offload: bool = True,
 ) -> SearchResult:
     """Every layout of ``shape`` on ``cluster`` for ``global_tokens`` per step at ``seq_len``.
 
     ``pin`` fixes sizes (e.g. ``{"pp": 4, "ep": 8}``); the rest are searched. Fitting candidates are
     sorted by estimated tokens/s/GPU; each rejected layout is counted under its reason's kind.
+    Where no layout fits, the same layouts with CPU offload are tried too (unless ``offload`` is False).
     """
     pin = dict(pin or {})
     _pinned_keys(pin)
@@ -181,20 +211,10 @@ def search(
         raise ValueError(f"global_tokens {global_tokens} is less than one sequence of {seq_len} tokens")
     result = SearchResult([])
     for layout in _layouts(shape, cluster, global_tokens, seq_len, pin):
-        result.evaluated += 1
-        reason = refusal(layout, shape)
-        if reason is not None:
-            result.rejected[reason.split(":")[0]] += 1
-            continue
-        memory = estimate_memory(shape, layout)
-        over = memory.peak - cluster.usable_bytes
-        if over > 0:
-            result.rejected["out of memory"] += 1
-            low, high = result.over_by.get("out of memory", (over, over))
-            result.over_by["out of memory"] = (min(low, over), max(high, over))
-            result.candidates.append(Candidate(layout, memory, None, [], over))
-            continue
-        result.candidates.append(evaluate(shape, layout, cluster))
+        _consider(result, shape, layout, cluster)
+    if offload and not any(c.fits for c in result.candidates):  # nothing fits on the GPUs: offload
+        for layout in _layouts(shape, cluster, global_tokens, seq_len, pin, offload=True):
+            _consider(result, shape, layout, cluster)
     fitting = sorted((c for c in result.candidates if c.fits), key=_rank)
     closest = sorted((c for c in result.candidates if not c.fits), key=lambda c: c.over)
     result.candidates = fitting[:top] if top else fitting

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from plait.planner.cluster import Cluster
 from plait.planner.layout import Layout
+from plait.planner.params import param_sizes, stage_shares
 from plait.planner.shape import ModelShape
 from plait.planner.traffic import Collective
 
@@ -21,6 +22,9 @@ __all__ = ["StepTime", "estimate_time"]
 _RECOMPUTE = {"none": 0.0, "selective": 0.1, "full": 1.0 / 3.0}
 """Extra compute per AC mode, as a share of forward + backward (full: one more forward of 2 of 6 units)."""
 
+_F32 = 4
+_ADAMW_HOST_BYTES = 28
+"""Bytes an AdamW step moves per fp32 element: parameter, gradient and both moments read, three written."""
 _AXIS_ORDER = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
 """Mesh axes innermost first: a group over an axis spans the ranks of the axes inside it."""
 
@@ -36,11 +40,14 @@ class StepTime:
     tokens_per_gpu: float
     model_flops_per_token: float
     peak_flops: float
+    host: float = 0.0
+    """CPU offload's optimizer step on the host (exposed); its copies run behind compute."""
 
     @property
     def step(self) -> float:
         """Seconds per optimizer step."""
-        return self.compute + self.exposed_comm + max(0.0, self.overlapped_comm - self.compute) + self.bubble
+        hidden = max(0.0, self.overlapped_comm - self.compute)
+        return self.compute + self.exposed_comm + hidden + self.bubble + self.host
 
     @property
     def tokens_per_second_per_gpu(self) -> float:
@@ -71,6 +78,19 @@ def _seconds(c: Collective, layout: Layout, cluster: Cluster) -> float:
     return c.sent() / cluster.bandwidth(_span(layout, c.axis)) + c.count * cluster.latency_us * 1e-6
 
 
+def _offload_seconds(shape: ModelShape, layout: Layout, cluster: Cluster) -> tuple[float, float]:
+    """CPU offload: the fp32 shards copied in per gather and their gradients out (behind compute), and
+    the optimizer step on the host (exposed); (0, 0) without offload."""
+    if not layout.offload:
+        return 0.0, 0.0
+    share = max(stage_shares(shape, layout), key=lambda s: s.dense_layers + s.moe_layers)
+    local = param_sizes(shape, layout, share).local
+    passes = layout.grad_accum if layout.pp == 1 else 1  # stages gather once per step (traffic.py)
+    gathers = passes * (2 if layout.reshard is not False and layout.pp == 1 else 1)
+    copies = _F32 * local * (gathers + 1) / (cluster.pcie_gbps * 1e9)
+    return copies, local * _ADAMW_HOST_BYTES / (cluster.host_gbps * 1e9)
+
+
 def _core_flops(shape: ModelShape, seq_len: int) -> float:
     """Attention's score and value matmuls per token, forward and backward (torchtitan's 12 L H D T)."""
     return 12.0 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len
@@ -94,6 +114,8 @@ def estimate_time(
     ring = sum(_seconds(c, layout, cluster) for c in collectives if c.overlapped == "attention")
     exposed += max(0.0, ring - attention)  # ring steps hide behind the attention of their chunk only
     hidden = sum(_seconds(c, layout, cluster) for c in collectives if c.overlapped == "compute")
+    copies, host = _offload_seconds(shape, layout, cluster)
+    hidden += copies
     bubble = 0.0
     if layout.pp > 1:
         bubble = compute * (layout.pp - 1) / (layout.pp_microbatches * layout.stages_per_rank)
@@ -105,4 +127,5 @@ def estimate_time(
         tokens_per_gpu=tokens,
         model_flops_per_token=model_flops,
         peak_flops=cluster.peak_tflops * 1e12,
+        host=host,
     )
