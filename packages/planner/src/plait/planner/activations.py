@@ -30,14 +30,9 @@ def _norm_block(shape: ModelShape, layout: Layout) -> float:
     return (_F32 * h + e * h + _F32) / split + e * h
 
 
-def _head_split(shape: ModelShape, layout: Layout) -> int:
-    """The ranks attention heads are split over: tp, or 1 where the TP plan leaves attention whole."""
-    return layout.tp if shape.tp_attention else 1
-
-
 def _attention(shape: ModelShape, layout: Layout) -> float:
     """Projections, rotary, fused attention and the output copy (local heads), K/V per cp variant."""
-    e, t, cp = _act(layout), _head_split(shape, layout), layout.cp
+    e, t, cp = _act(layout), shape.head_split(layout.tp), layout.cp
     q, kv, v = shape.q_width / t, shape.kv_width / t, shape.v_width / t
     if layout.gqa_expanded:
         kv = v = q
@@ -88,7 +83,7 @@ def _selective(shape: ModelShape, layout: Layout, moe: bool) -> float:
     e, t = _act(layout), layout.tp
     split = t if layout.sp else 1
     saved = e * shape.hidden_size / split  # the checkpointed layer input
-    heads = _head_split(shape, layout)
+    heads = shape.head_split(layout.tp)
     saved += e * (shape.q_width + shape.v_width) / heads  # q_proj, v_proj outputs
     saved += e * shape.q_width / heads + _F32 * shape.num_heads / heads  # attention output, log-sum-exp
     if moe:

@@ -72,7 +72,7 @@ class ParamSizes:
 def param_sizes(shape: ModelShape, layout: Layout, share: StageShare) -> ParamSizes:
     """This rank's parameter elements for its stages (``share``)."""
     t, h = layout.tp, shape.hidden_size
-    attn = shape.attention_params() / (t if shape.tp_attention else 1) + 2 * h
+    attn = shape.attention_params() / shape.head_split(t) + 2 * h
     dense_unit = attn + shape.dense_mlp_params() / t
     experts_gathered = shape.expert_params() / layout.ep
     moe_dense = attn + shape.moe_dense_params()

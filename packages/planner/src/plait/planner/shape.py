@@ -113,6 +113,10 @@ class ModelShape:
         """Layers with experts."""
         return self.num_layers - self.dense_layers if self.moe else 0
 
+    def head_split(self, tp: int) -> int:
+        """The ranks attention heads are split over under ``tp``: tp, or 1 where the TP plan leaves attention whole."""
+        return tp if self.tp_attention else 1
+
     @property
     def q_width(self) -> int:
         """Query (and attention output) width: heads x head_dim."""

@@ -128,7 +128,7 @@ def _cp(shape: ModelShape, layout: Layout, share: StageShare, tokens: float) -> 
     if cp == 1:
         return []
     layers = share.dense_layers + share.moe_layers
-    heads = layout.tp if shape.tp_attention else 1
+    heads = shape.head_split(layout.tp)
     kv = tokens * (shape.kv_width + shape.v_width) / heads * e
     forwards = 2 if layout.ac == "full" else 1
     if layout.cp_variant == "all_gather":  # K/V gathered per forward, dK/dV reduce-scattered
